@@ -1,0 +1,31 @@
+# The README's two commands: `make demo` (set up, then run the actor-learner demo) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo stress bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/shmbuf demo
+
+stress: install
+	$(BIN)/python scripts/stress.py
+
+bench: install
+	$(BIN)/python scripts/bench_storage.py
+	$(BIN)/python scripts/bench_pool.py
+
+clean:
+	-test -x $(BIN)/shmbuf && $(BIN)/shmbuf gc
+	rm -rf build *.egg-info .pytest_cache .hypothesis bench-out

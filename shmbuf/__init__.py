@@ -1,0 +1,58 @@
+"""shmbuf: replay buffers in POSIX shared memory for multiprocess actor-learner RL.
+
+Storage only (no processes): segments, layout, lanes, the per-slot seqlock, the ``ReplayBuffer``
+API, sampling index math and persistence. Process pools live in the ``workers`` package.
+"""
+
+from __future__ import annotations
+
+from .buffer import ReplayBuffer, Writer
+from .errors import (
+    ActorError,
+    BufferInUseError,
+    CapacityError,
+    CheckpointError,
+    ClosedError,
+    EmptyBufferError,
+    LaneBusyError,
+    RateLimitTimeout,
+    SamplingError,
+    SegmentExistsError,
+    SegmentFormatError,
+    SegmentNotFoundError,
+    ShmbufError,
+    SpecMismatchError,
+    StaleIndexError,
+    Timeout,
+    WorkerDiedError,
+)
+from .limiter import RateLimit
+from .spec import Field, Spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActorError",
+    "BufferInUseError",
+    "CapacityError",
+    "CheckpointError",
+    "ClosedError",
+    "EmptyBufferError",
+    "Field",
+    "LaneBusyError",
+    "RateLimit",
+    "RateLimitTimeout",
+    "ReplayBuffer",
+    "SamplingError",
+    "SegmentExistsError",
+    "SegmentFormatError",
+    "SegmentNotFoundError",
+    "ShmbufError",
+    "Spec",
+    "SpecMismatchError",
+    "StaleIndexError",
+    "Timeout",
+    "WorkerDiedError",
+    "Writer",
+    "__version__",
+]

@@ -1,0 +1,206 @@
+"""Byte layout of shmbuf segments: frozen constants and pure offset math, no I/O.
+
+Every segment (replay buffer or staging ring) starts with the same header page:
+
+- 8 bytes  magic ``b"SHMBUF\\0\\1"``, written last by the creator, so an attacher that sees it
+  knows the rest of the header is complete.
+- u32 @ 8  format version (``FORMAT_VERSION``).
+- u32 @ 12 kind: 1 = replay buffer, 2 = staging ring.
+- u64 @ 16 total size of the segment in bytes.
+- u64 @ 24 owner pid.  u64 @ 32 owner start time (clock ticks since boot, /proc/PID/stat #22).
+- f64 @ 40 creation time (Unix seconds).  u32 @ 48 owner uid.  u32 @ 52 layout JSON length.
+- bytes @ 64 the layout JSON (spec, capacity, lanes, ...); the header is padded to 4096 bytes.
+
+A replay buffer's body, each region 64-byte aligned:
+
+- lane headers: ``LANE_LINES`` 64-byte lines per lane, one hot u64 per line (``LANE_*``).
+- limiter block: ``LIMITER_CONFIG_LINES`` lines of config then ``MAX_SAMPLERS`` counter lines.
+- slot stamps: one u64 per slot, ``lanes * capacity`` of them.  Lane k owns slots
+  ``[k*C, (k+1)*C)``; index i of lane k lives in slot ``k*C + i % C``.
+- ``_meta`` column: one u64 per slot, ``episode << 32 | step_in_episode``.
+- one column per field, ``[lanes * capacity, *shape]``, contiguous.
+
+All words are little-endian (only little-endian machines are supported). Advisory OFD locks on the
+segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the creator,
+``lock_lane(k)`` for lane k's writer, ``LOCK_LIMITER`` for the pool that drives the rate limiter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"SHMBUF\x00\x01"
+FORMAT_VERSION = 1
+KIND_BUFFER = 1
+KIND_STAGING = 2
+
+PAGE = 4096
+LINE = 64
+WORD = 8
+WORDS_PER_LINE = LINE // WORD
+
+# Fixed header prefix (offsets in bytes).
+H_MAGIC = 0
+H_VERSION = 8
+H_KIND = 12
+H_TOTAL_SIZE = 16
+H_OWNER_PID = 24
+H_OWNER_START = 32
+H_CREATED = 40
+H_OWNER_UID = 48
+H_JSON_LEN = 52
+H_JSON = 64
+
+# Lane header: one hot word per 64-byte line. Only the lane's writer stores any of them.
+LANE_COMMITTED = 0  # transitions published: indices [0, committed) were written
+LANE_RESERVED = 1  # writer's claim: indices [committed, reserved) are being written
+LANE_EPISODE = 2  # id of the episode the next add belongs to
+LANE_EPOCH = 3  # bumped by every writer that takes the lane
+LANE_HEARTBEAT = 4  # time.time_ns() of the writer's last publish (sampled, not every add)
+LANE_WRITER_PID = 5  # pid of the lane's current (or last) writer
+LANE_EPISODE_START = 6  # logical index of the current episode's first step
+LANE_LINES = 8
+
+# Limiter block: config lines written by the pool holding LOCK_LIMITER, then one samples counter
+# per sampler slot, each written only by the process that holds that sampler slot.
+LIM_GENERATION = 0  # bumped whenever the config changes; 0 = never configured
+LIM_ACTIVE = 1  # 1 while a pool drives the limiter
+LIM_SPI = 2  # samples per insert (f64 bits)
+LIM_MIN_DIFF = 3  # f64 bits
+LIM_MAX_DIFF = 4  # f64 bits
+LIM_MIN_SIZE = 5  # u64
+LIM_INSERTS_BASE = 6  # total committed when the limiter was (re)configured
+LIM_N_SAMPLERS = 7  # sampler counters [0, n) belong to the limiting pool
+LIMITER_CONFIG_LINES = 8
+MAX_SAMPLERS = 64
+
+# OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).
+LOCK_OWNER = 1 << 40
+LOCK_LIMITER = LOCK_OWNER + 1
+LOCK_SAMPLER_BASE = LOCK_OWNER + 1024
+LOCK_LANE_BASE = LOCK_OWNER + (1 << 20)
+
+MAX_LANES = 4096
+STEP_BITS = 32
+STEP_MASK = (1 << STEP_BITS) - 1
+
+
+def lock_lane(lane: int) -> int:
+    """Byte offset of the OFD lock that lane ``lane``'s writer holds."""
+    return LOCK_LANE_BASE + lane
+
+
+def lock_sampler(slot: int) -> int:
+    """Byte offset of the OFD lock held by the process that owns sampler counter ``slot``."""
+    return LOCK_SAMPLER_BASE + slot
+
+
+def align(n: int, to: int = LINE) -> int:
+    """Round ``n`` up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+def header_size(json_len: int) -> int:
+    """Bytes of the header page(s) for a layout JSON of ``json_len`` bytes."""
+    return align(H_JSON + json_len, PAGE)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One array in a segment body: where it starts and what it holds."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]  # full shape, leading axis = rows
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Where everything of a replay buffer lives, derived from (fields, capacity, lanes)."""
+
+    capacity: int
+    lanes: int
+    header_size: int
+    lane_offset: int
+    limiter_offset: int
+    stamps_offset: int
+    meta: Column
+    columns: tuple[Column, ...]
+    total_size: int
+
+    @property
+    def slots(self) -> int:
+        return self.capacity * self.lanes
+
+    def lane_word(self, lane: int, word: int) -> int:
+        """Byte offset of hot word ``word`` of lane ``lane``."""
+        return self.lane_offset + (lane * LANE_LINES + word) * LINE
+
+    def limiter_word(self, word: int) -> int:
+        return self.limiter_offset + word * LINE
+
+    def sampler_counter(self, slot: int) -> int:
+        return self.limiter_offset + (LIMITER_CONFIG_LINES + slot) * LINE
+
+    def stamp(self, slot: int) -> int:
+        return self.stamps_offset + slot * WORD
+
+
+def buffer_layout(
+    fields: list[tuple[str, tuple[int, ...], np.dtype]], capacity: int, lanes: int, json_len: int
+) -> BufferLayout:
+    """Compute the layout of a replay buffer; pure, so it is the same in every process."""
+    if capacity < 1 or lanes < 1:
+        raise ValueError(f"capacity and lanes must be >= 1, got {capacity}, {lanes}")
+    slots = capacity * lanes
+    hdr = header_size(json_len)
+    lane_offset = hdr
+    limiter_offset = align(lane_offset + lanes * LANE_LINES * LINE)
+    stamps_offset = align(limiter_offset + (LIMITER_CONFIG_LINES + MAX_SAMPLERS) * LINE)
+    meta_offset = align(stamps_offset + slots * WORD)
+    meta = Column("_meta", meta_offset, (slots,), np.dtype("<u8"))
+    offset = align(meta_offset + meta.nbytes)
+    columns = []
+    for name, shape, dtype in fields:
+        col = Column(name, offset, (slots, *shape), np.dtype(dtype))
+        columns.append(col)
+        offset = align(offset + col.nbytes)
+    total = align(offset, PAGE)
+    return BufferLayout(
+        capacity=capacity,
+        lanes=lanes,
+        header_size=hdr,
+        lane_offset=lane_offset,
+        limiter_offset=limiter_offset,
+        stamps_offset=stamps_offset,
+        meta=meta,
+        columns=tuple(columns),
+        total_size=total,
+    )
+
+
+def encode_layout(doc: dict[str, Any]) -> bytes:
+    """The canonical JSON bytes stored in a header (sorted keys, so equal layouts are equal)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+# Stamps: index i being written is 2i+1 (odd), index i held is 2i+2 (even), 0 = never written.
+def stamp_writing(index: int) -> int:
+    return 2 * index + 1
+
+
+def stamp_held(index: int) -> int:
+    return 2 * index + 2
+
+
+def pack_meta(episode: int, step: int) -> int:
+    return (episode << STEP_BITS) | (step & STEP_MASK)

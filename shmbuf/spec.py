@@ -1,0 +1,437 @@
+"""What a transition holds: named fields with a shape and a dtype, and the checks that guard writes.
+
+``Spec`` describes rows; ``RowChecker`` validates one transition (``add``) or a batch of them
+(``extend``) completely before anything is written, with errors that name the field, what was
+expected, what was given and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import SpecMismatchError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
+_KINDS = "biufc"  # bool, signed, unsigned, float, complex
+
+
+class Field(NamedTuple):
+    """One named array of a transition: ``shape`` excludes the batch axis."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def row_nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"shape {self.shape} {self.dtype}"
+
+
+def _as_dtype(name: str, dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise SpecMismatchError(f"field {name!r}: {dtype!r} is not a NumPy dtype ({e})") from None
+    if dt.kind not in _KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise SpecMismatchError(
+            f"field {name!r}: dtype {dt} is not supported; use a bool, integer, float or complex "
+            f"dtype (store strings or objects as fixed-size integer codes)"
+        )
+    return dt.newbyteorder("=") if dt.byteorder == ">" else dt
+
+
+def _as_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        raise SpecMismatchError(
+            f"field {name!r}: shape must be a tuple of ints, got {shape!r}"
+        ) from None
+    if any(d < 0 for d in shape):
+        raise SpecMismatchError(f"field {name!r}: shape {shape} has a negative dimension")
+    return shape
+
+
+class Spec(Mapping[str, Field]):
+    """The fields of a transition, in order.
+
+    Example:
+        >>> spec = Spec(obs=((4, 84, 84), "uint8"), action=((), "int64"), reward=((), "float32"))
+        >>> spec["obs"].shape
+        (4, 84, 84)
+    """
+
+    def __init__(self, fields: Mapping[str, Any] | None = None, /, **kwargs: Any) -> None:
+        items = dict(fields or {})
+        overlap = set(items) & set(kwargs)
+        if overlap:
+            raise SpecMismatchError(f"field(s) {sorted(overlap)} given twice")
+        items.update(kwargs)
+        if not items:
+            raise SpecMismatchError("a Spec needs at least one field, e.g. Spec(obs=((4,), 'float32'))")
+        self._fields: dict[str, Field] = {}
+        for name, value in items.items():
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise SpecMismatchError(
+                    f"field name {name!r} is not allowed: use letters, digits, '_', '.', '-', '/' "
+                    f"and do not start with '_' (reserved for shmbuf's own columns)"
+                )
+            if isinstance(value, Field):
+                shape, dtype = value.shape, value.dtype
+            else:
+                try:
+                    shape, dtype = value
+                except (TypeError, ValueError):
+                    raise SpecMismatchError(
+                        f"field {name!r}: expected (shape, dtype), e.g. ((17,), 'float32'), "
+                        f"got {value!r}"
+                    ) from None
+            self._fields[name] = Field(name, _as_shape(name, shape), _as_dtype(name, dtype))
+
+    # Mapping protocol
+    def __getitem__(self, name: str) -> Field:
+        return self._fields[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Spec):
+            return NotImplemented
+        return self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:
+        return hash(tuple((f["name"], tuple(f["shape"]), f["dtype"]) for f in self.to_json()))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}=({f.shape}, '{f.dtype}')" for f in self._fields.values())
+        return f"Spec({inner})"
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one transition over all fields."""
+        return sum(f.row_nbytes for f in self._fields.values())
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [
+            {"name": f.name, "shape": list(f.shape), "dtype": f.dtype.str}
+            for f in self._fields.values()
+        ]
+
+    @classmethod
+    def from_json(cls, doc: list[dict[str, Any]]) -> Spec:
+        return cls({d["name"]: (tuple(d["shape"]), d["dtype"]) for d in doc})
+
+    @classmethod
+    def from_example(cls, transition: Mapping[str, Any]) -> Spec:
+        """Infer a spec from one transition.
+
+        Python ``float`` becomes float32, ``int`` int64 and ``bool`` bool (the usual RL choices);
+        arrays keep their dtype.
+        """
+        fields = {}
+        for name, value in transition.items():
+            if isinstance(value, bool):
+                fields[name] = ((), np.bool_)
+            elif isinstance(value, int):
+                fields[name] = ((), np.int64)
+            elif isinstance(value, float):
+                fields[name] = ((), np.float32)
+            else:
+                arr = np.asarray(value)
+                if arr.dtype == object:
+                    raise SpecMismatchError(
+                        f"field {name!r}: cannot infer a dtype from {type(value).__name__} "
+                        f"(object array); pass a numeric array"
+                    )
+                fields[name] = (arr.shape, arr.dtype)
+        return cls(fields)
+
+    @classmethod
+    def from_spaces(
+        cls,
+        observation_space: Any,
+        action_space: Any,
+        *,
+        next_obs: bool = True,
+        reward_dtype: Any = "float32",
+    ) -> Spec:
+        """Build the usual transition spec from gymnasium spaces.
+
+        Fields: ``obs``, ``next_obs`` (unless ``next_obs=False``), ``action``, ``reward``,
+        ``terminated`` and ``truncated``. Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple
+        spaces are supported; nested keys are flattened to ``"obs/camera"`` names.
+        """
+        import gymnasium  # noqa: F401  (imported only here: gymnasium is an optional extra)
+
+        fields: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        _flatten_space("obs", observation_space, fields)
+        if next_obs:
+            for name, value in list(fields.items()):
+                fields["next_obs" + name[3:]] = value
+        _flatten_space("action", action_space, fields)
+        fields["reward"] = ((), np.dtype(reward_dtype))
+        fields["terminated"] = ((), np.dtype(np.bool_))
+        fields["truncated"] = ((), np.dtype(np.bool_))
+        return cls(fields)
+
+
+def _flatten_space(prefix: str, space: Any, out: dict[str, Any]) -> None:
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Dict):
+        for key, sub in space.spaces.items():
+            _flatten_space(f"{prefix}/{key}", sub, out)
+    elif isinstance(space, spaces.Tuple):
+        for i, sub in enumerate(space.spaces):
+            _flatten_space(f"{prefix}/{i}", sub, out)
+    elif isinstance(space, spaces.Box):
+        out[prefix] = (tuple(space.shape), np.dtype(space.dtype))
+    elif isinstance(space, spaces.Discrete):
+        out[prefix] = ((), np.dtype(space.dtype or np.int64))
+    elif isinstance(space, spaces.MultiDiscrete):
+        out[prefix] = (tuple(space.nvec.shape), np.dtype(space.dtype))
+    elif isinstance(space, spaces.MultiBinary):
+        out[prefix] = (tuple(space.shape), np.dtype(space.dtype))
+    else:
+        raise SpecMismatchError(
+            f"{prefix}: gymnasium space {type(space).__name__} is not supported by "
+            f"Spec.from_spaces; describe it with Spec(...) directly"
+        )
+
+
+def _unknown_names(given: set[str], names: tuple[str, ...]) -> str:
+    parts = []
+    for name in sorted(given, key=str):
+        close = difflib.get_close_matches(str(name), names, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(parts)
+
+
+_MISSING = object()
+
+
+def _fast_scalars(field: Field) -> frozenset[type]:
+    """Python scalar types that store into ``field`` with no check (no range, no kind issue)."""
+    if field.shape != ():
+        return frozenset()
+    if field.dtype.kind in "fc":
+        return frozenset({float, bool})
+    if field.dtype.kind == "b":
+        return frozenset({bool})
+    return frozenset()
+
+
+class RowChecker:
+    """Validates transitions against a spec, whole, before any write.
+
+    ``check_row`` is on the ``add`` hot path: per field it costs a type check, a shape compare and
+    a dict lookup of a cached cast decision; no NumPy call unless the value needs converting.
+    """
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.names = tuple(spec)
+        self._name_set = frozenset(self.names)
+        self._fields = tuple(spec.values())
+        self._castable: list[dict[np.dtype, bool]] = [{f.dtype: True} for f in self._fields]
+        self._int_bounds = [
+            (int(np.iinfo(f.dtype).min), int(np.iinfo(f.dtype).max)) if f.dtype.kind in "iu" else None
+            for f in self._fields
+        ]
+        self._n = len(self._fields)
+        # (name, shape, dtype, Python scalar types that need no check, index)
+        self._row_plan = tuple(
+            (f.name, f.shape, f.dtype, _fast_scalars(f), k) for k, f in enumerate(self._fields)
+        )
+        self._batch_plan = tuple(
+            (f.name, f.shape, f.dtype, len(f.shape) + 1, k) for k, f in enumerate(self._fields)
+        )
+
+    # -- error helpers -------------------------------------------------------------------------
+    def _key_error(self, op: str, given: Mapping[str, Any]) -> SpecMismatchError:
+        keys = set(given)
+        missing = [n for n in self.names if n not in keys]
+        extra = keys - self._name_set
+        parts = []
+        if missing:
+            parts.append(f"missing field(s) {', '.join(map(repr, missing))}")
+        if extra:
+            parts.append(f"unknown field(s) {_unknown_names(extra, self.names)}")
+        return SpecMismatchError(
+            f"{op}(): {'; '.join(parts)}. The spec has {', '.join(self.names)}; pass each exactly once."
+        )
+
+    def _castable_to(self, k: int, src: np.dtype) -> bool:
+        cache = self._castable[k]
+        ok = cache.get(src)
+        if ok is None:
+            ok = cache[src] = bool(np.can_cast(src, self._fields[k].dtype, "same_kind"))
+        return ok
+
+    def _dtype_error(self, op: str, field: Field, got: np.dtype) -> SpecMismatchError:
+        if got == object:
+            return SpecMismatchError(
+                f"{op}(): field {field.name!r} expects {field.describe()}; got an object array. "
+                f"Fix: pass a numeric NumPy array"
+            )
+        return SpecMismatchError(
+            f"{op}(): field {field.name!r} expects dtype {field.dtype}; got {got}, which does not "
+            f"cast to it safely (same_kind). Fix: convert it, e.g. x.astype({str(field.dtype)!r})"
+        )
+
+    def _as_array(self, op: str, field: Field, value: Any) -> np.ndarray:
+        try:
+            arr = np.asarray(value)
+        except Exception as e:  # ragged lists and the like
+            raise SpecMismatchError(
+                f"{op}(): field {field.name!r} expects {field.describe()}; "
+                f"could not convert {type(value).__name__} to an array ({e})"
+            ) from None
+        if arr.dtype == object:
+            raise SpecMismatchError(
+                f"{op}(): field {field.name!r} expects {field.describe()}; got an object array "
+                f"(from {type(value).__name__}). Fix: pass a numeric NumPy array"
+            )
+        return arr
+
+    # -- add -------------------------------------------------------------------------------------
+    def check_row(self, values: Mapping[str, Any]) -> list[Any]:
+        """Validate one transition; return the values in spec order, ready to store.
+
+        Fast path per field: an ndarray of exactly the field's shape and dtype, C-contiguous; or a
+        Python float/bool for a scalar float/bool field. Everything else takes ``_check_value``.
+        """
+        if len(values) != self._n:
+            raise self._key_error("add", values)
+        out = []
+        append = out.append
+        for name, shape, dtype, fast_scalar, k in self._row_plan:
+            v = values.get(name, _MISSING)
+            tv = type(v)
+            if tv is np.ndarray:
+                if v.shape == shape and v.dtype is dtype and v.flags.c_contiguous:
+                    append(v)
+                    continue
+            elif tv in fast_scalar:
+                append(v)
+                continue
+            append(self._check_value(k, v, values))
+        return out
+
+    def _check_value(self, k: int, v: Any, values: Mapping[str, Any]) -> Any:
+        field = self._fields[k]
+        if v is _MISSING:
+            raise self._key_error("add", values)
+        if type(v) is np.ndarray:
+            if v.shape != field.shape:
+                raise SpecMismatchError(
+                    f"add(): field {field.name!r} expects one transition of shape "
+                    f"{field.shape}; got shape {v.shape}. Fix: pass a single row (for a batch "
+                    f"of rows use extend())"
+                )
+            if v.dtype is not field.dtype and not self._castable_to(k, v.dtype):
+                raise self._dtype_error("add", field, v.dtype)
+            if not v.flags.c_contiguous:
+                raise SpecMismatchError(
+                    f"add(): field {field.name!r} is a non-contiguous array (strides "
+                    f"{v.strides}). Fix: np.ascontiguousarray(value)"
+                )
+            return v
+        return self._check_scalar(k, field, v)
+
+    def _check_scalar(self, k: int, field: Field, v: Any) -> Any:
+        kind = field.dtype.kind
+        if isinstance(v, bool) or isinstance(v, np.bool_):
+            ok = kind in "biufc"
+        elif isinstance(v, int):  # Python int (bool was handled above); NumPy ints go below
+            bounds = self._int_bounds[k]
+            if bounds is not None and not bounds[0] <= v <= bounds[1]:
+                raise SpecMismatchError(
+                    f"add(): field {field.name!r} ({field.dtype}) cannot hold {v}: outside "
+                    f"[{bounds[0]}, {bounds[1]}]"
+                )
+            ok = kind in "iufc"
+        elif isinstance(v, float):
+            ok = kind in "fc"
+        elif isinstance(v, complex):
+            ok = kind == "c"
+        else:
+            arr = v if isinstance(v, np.generic) else self._as_array("add", field, v)
+            if arr.shape != field.shape:
+                raise SpecMismatchError(
+                    f"add(): field {field.name!r} expects one transition of shape {field.shape}; "
+                    f"got shape {arr.shape} ({type(v).__name__})"
+                )
+            if arr.dtype is not field.dtype and not self._castable_to(k, arr.dtype):
+                raise self._dtype_error("add", field, arr.dtype)
+            return arr
+        if field.shape != ():
+            raise SpecMismatchError(
+                f"add(): field {field.name!r} expects shape {field.shape}; got the scalar {v!r}"
+            )
+        if not ok:
+            raise SpecMismatchError(
+                f"add(): field {field.name!r} expects dtype {field.dtype}; got the Python "
+                f"{type(v).__name__} {v!r}, which does not cast to it safely (same_kind)"
+            )
+        return v
+
+    # -- extend ----------------------------------------------------------------------------------
+    def check_batch(self, data: Mapping[str, Any]) -> tuple[int, list[np.ndarray]]:
+        """Validate a batch of transitions; return (rows, arrays in spec order)."""
+        if not isinstance(data, Mapping):
+            raise SpecMismatchError(
+                f"extend(): expects a mapping of field name -> array, got {type(data).__name__}"
+            )
+        if len(data) != self._n:
+            raise self._key_error("extend", data)
+        arrays: list[np.ndarray] = []
+        append = arrays.append
+        n = -1
+        for name, shape, dtype, ndim, k in self._batch_plan:
+            v = data.get(name, _MISSING)
+            if type(v) is not np.ndarray:
+                if v is _MISSING:
+                    raise self._key_error("extend", data)
+                v = self._as_array("extend", self._fields[k], v)
+            s = v.shape
+            if len(s) != ndim or s[1:] != shape or (n >= 0 and s[0] != n):
+                self._batch_shape_error(k, v, n, arrays)
+            n = s[0]
+            if v.dtype is not dtype and not self._castable_to(k, v.dtype):
+                raise self._dtype_error("extend", self._fields[k], v.dtype)
+            if not v.flags.c_contiguous:
+                raise SpecMismatchError(
+                    f"extend(): field {name!r} is a non-contiguous array (strides "
+                    f"{v.strides}). Fix: np.ascontiguousarray(value)"
+                )
+            append(v)
+        return n, arrays
+
+    def _batch_shape_error(self, k: int, arr: np.ndarray, n: int, before: list) -> None:
+        field = self._fields[k]
+        if arr.ndim != len(field.shape) + 1 or arr.shape[1:] != field.shape:
+            want = ", ".join(["n", *map(str, field.shape)])
+            raise SpecMismatchError(
+                f"extend(): field {field.name!r} expects shape ({want}), rows of {field.shape}; "
+                f"got {arr.shape}. Fix: stack rows on a new leading axis (for one row use add())"
+            )
+        first = self._fields[0].name
+        raise SpecMismatchError(
+            f"extend(): fields disagree on the number of rows: {first!r} has {n}, "
+            f"{field.name!r} has {arr.shape[0]}. Fix: pass the same n for every field"
+        )
