@@ -1,6 +1,9 @@
 """Shared fixtures: every test leaves /dev/shm as it found it and leaves no child process behind.
 
-``start_method`` runs a test under fork, forkserver and spawn.
+The leak check only judges what this test run could have made: shmbuf segments owned by this
+process or its descendants, or whose owner is dead, and other new /dev/shm files created by our
+process tree. It never deletes a live segment of an unrelated process (a training job running
+beside the tests). ``start_method`` runs a test under fork, forkserver and spawn.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import time
 
 import multiprocess
 import pytest
+
+from shmbuf import segment as shm_segment
 
 SHM_DIR = "/dev/shm"
 START_METHODS = ["fork", "forkserver", "spawn"]
@@ -23,22 +28,61 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+def _descendants(root: int) -> set[int]:
+    """``root`` and every live process below it."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+            parent[int(entry)] = int(data[data.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out = {root}
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parent.items():
+            if ppid in out and pid not in out:
+                out.add(pid)
+                changed = True
+    return out
+
+
+def _ours(new: set[str]) -> list[str]:
+    """The subset of new /dev/shm entries this test run is answerable for."""
+    mine = _descendants(os.getpid())
+    infos = {info.name: info for info in shm_segment.scan()}
+    out = []
+    for name in sorted(new):
+        info = infos.get(name)
+        if info is None:
+            out.append(name)  # not a shmbuf segment (e.g. a semaphore) that appeared meanwhile
+        elif info.header is None:
+            if info.age > 2.0:  # uninitialised and not being created right now
+                out.append(name)
+        elif not info.alive or info.header.owner_pid in mine:
+            out.append(name)
+    return out
+
+
 @pytest.fixture(autouse=True)
-def no_leaked_segments(request):
-    """Fail any test that leaves a new entry in /dev/shm (after a short grace period for
-    processes that are still exiting), and remove what it left so later tests start clean."""
+def no_leaked_segments():
+    """Fail any test that leaves an entry of its own in /dev/shm (after a short grace period for
+    processes still exiting); remove what it left so later tests start clean."""
     before = _shm_entries()
     yield
     deadline = time.monotonic() + 3.0
-    leaked = sorted(_shm_entries() - before)
+    leaked = _ours(_shm_entries() - before)
     while leaked and time.monotonic() < deadline:
         time.sleep(0.05)
-        leaked = sorted(_shm_entries() - before)
+        leaked = _ours(_shm_entries() - before)
+    infos = {info.name for info in shm_segment.scan()}
     for name in leaked:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except OSError:
-            pass
+        if name in infos:  # only our own segments are removed; anything else is only reported
+            shm_segment.unlink(name)
     if leaked:
         pytest.fail(f"test left {len(leaked)} entr(y/ies) in {SHM_DIR}: {leaked}", pytrace=False)
 

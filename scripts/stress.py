@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Stress test: N actors x M sampler workers for T seconds under random SIGKILLs.
+
+Every row checks itself: it carries its lane, its logical index, a payload filled with a byte
+derived from both, and a 64-bit hash of both. The learner verifies every row of every batch
+against ``batch.lanes``/``batch.indices``, so a torn row (two writes mixed), a stale row or a
+foreign row is caught. Exits non-zero on any corrupt row, any hang past ``--hang-timeout``, or any
+entry left in /dev/shm.
+
+    python scripts/stress.py --actors 3 --workers 2 --seconds 30 --kill-every 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+
+from shmbuf import ReplayBuffer, Spec
+from shmbuf import segment as shm_segment
+from shmbuf.errors import Timeout
+from workers import ActorContext, ActorGroup, SamplerPool
+
+SHM_DIR = "/dev/shm"
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+def row_check(lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The 64-bit hash each row must carry for its (lane, index)."""
+    with np.errstate(over="ignore"):
+        return (indices.astype(np.uint64) * _GOLD) ^ ((lanes.astype(np.uint64) + np.uint64(1)) * _MIX)
+
+
+def row_byte(lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The byte a row's payload is filled with."""
+    return ((lanes.astype(np.int64) * 1_000_003 + indices.astype(np.int64) * 7919) % 251).astype(np.uint8)
+
+
+def make_rows(lane: int, first: int, n: int, payload: int) -> dict[str, np.ndarray]:
+    idx = np.arange(first, first + n, dtype=np.int64)
+    lanes = np.full(n, lane, np.int64)
+    return {
+        "lane": lanes.astype(np.int32),
+        "index": idx,
+        "check": row_check(lanes, idx),
+        "payload": np.repeat(row_byte(lanes, idx)[:, None], payload, axis=1),
+    }
+
+
+def stress_actor(ctx: ActorContext, payload: int, max_extend: int) -> None:
+    """Writes self-checking rows: mostly extends of random size, sometimes single adds."""
+    w, rng = ctx.writer, ctx.rng
+    while not ctx.stopping:
+        if rng.random() < 0.2:
+            row = make_rows(ctx.lane, w.committed, 1, payload)
+            w.add(**{k: v[0] for k, v in row.items()})
+        else:
+            w.extend(make_rows(ctx.lane, w.committed, int(rng.integers(1, max_extend + 1)), payload))
+        if rng.random() < 0.01:
+            w.end_episode()
+
+
+def verify(batch) -> int:
+    """Number of bad rows in ``batch`` (0 when every row is intact and is the row it claims)."""
+    lanes, idx = np.asarray(batch.lanes), np.asarray(batch.indices)
+    ok = (batch["index"] == idx) & (batch["lane"] == lanes)
+    ok &= batch["check"] == row_check(lanes, idx)
+    ok &= (batch["payload"] == row_byte(lanes, idx)[:, None]).all(axis=1)
+    return int((~ok).sum())
+
+
+def left_behind(before: set[str]) -> list[str]:
+    """New /dev/shm entries that this run made: segments it owns, or files that are not
+    shmbuf segments. Segments of other processes running beside us are not ours to judge."""
+    new = set(os.listdir(SHM_DIR)) - before
+    owners = {i.name: i.header.owner_pid for i in shm_segment.scan() if i.header is not None}
+    return sorted(n for n in new if owners.get(n, os.getpid()) == os.getpid())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--actors", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--kill-every", type=float, default=0.5,
+                   help="seconds between SIGKILLs of a random actor or worker (0: none)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--capacity", type=int, default=2048, help="rows per lane (small: lots of wrap)")
+    p.add_argument("--payload", type=int, default=1024, help="payload bytes per row")
+    p.add_argument("--max-extend", type=int, default=64)
+    p.add_argument("--hang-timeout", type=float, default=15.0,
+                   help="a next() that waits longer than this is a hang")
+    p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    shm_before = set(os.listdir(SHM_DIR))
+    watchdog = args.seconds + 4 * args.hang_timeout + 60
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(
+        SystemExit(f"FAIL: watchdog fired after {watchdog:.0f} s: something hung")))
+    signal.alarm(int(watchdog))
+
+    spec = Spec(lane=((), "int32"), index=((), "int64"), check=((), "uint64"),
+                payload=((args.payload,), "uint8"))
+    rng = random.Random(args.seed)
+    kills = {"actor": 0, "worker": 0}
+    batches = rows = corrupt = timeouts = 0
+    actor = functools.partial(stress_actor, payload=args.payload, max_extend=args.max_extend)
+    print(f"stress: {args.actors} actors x {args.workers} workers, {args.seconds:g} s, kill every "
+          f"{args.kill_every:g} s, capacity {args.capacity}/lane, batch {args.batch_size}",
+          flush=True)
+    t0 = time.monotonic()
+    with ReplayBuffer.create(spec, capacity=args.capacity, lanes=args.actors) as buf, \
+            ActorGroup(actor, args.actors, buf, start_method=args.start_method, seed=args.seed,
+                       max_restarts_per_minute=10_000) as group, \
+            SamplerPool(buf, batch_size=args.batch_size, n_workers=args.workers,
+                        start_method=args.start_method, seed=args.seed, min_size=args.batch_size,
+                        max_restarts_per_minute=10_000, timeout=args.hang_timeout) as pool:
+        next_kill = time.monotonic() + args.kill_every if args.kill_every > 0 else float("inf")
+        next_report = time.monotonic() + 2.0
+        while time.monotonic() - t0 < args.seconds:
+            try:
+                batch = pool.next()
+            except Timeout as e:
+                timeouts += 1
+                print(f"FAIL: hang: {e}", flush=True)
+                break
+            bad = verify(batch)
+            if bad:
+                corrupt += bad
+                print(f"FAIL: {bad} corrupt row(s) in batch {batches}", flush=True)
+            batches += 1
+            rows += batch.batch_size
+            group.poll()
+            now = time.monotonic()
+            if now >= next_kill:
+                next_kill = now + args.kill_every
+                victims = [("actor", pid) for pid in group.pids if pid] + \
+                          [("worker", pid) for pid in pool.worker_pids]
+                kind, pid = rng.choice(victims)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    kills[kind] += 1
+                except ProcessLookupError:
+                    pass
+            if now >= next_report:
+                next_report = now + 2.0
+                print(f"  {now - t0:5.1f} s: {batches:,} batches, {rows:,} rows verified, "
+                      f"{int(buf.committed().sum()):,} written, kills {kills}", flush=True)
+        written = int(buf.committed().sum())
+        st = pool.stats()
+        actor_restarts = group.restarts
+    signal.alarm(0)
+
+    deadline = time.monotonic() + 5.0
+    leaked = left_behind(shm_before)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leaked = left_behind(shm_before)
+    print(f"summary: {written:,} rows written; {batches:,} batches ({rows:,} rows) verified; "
+          f"{corrupt} corrupt rows; kills survived: {kills['actor']} actors, {kills['worker']} "
+          f"workers; restarts: {actor_restarts} actors, {st['restarts']} workers; "
+          f"{timeouts} hangs; {len(leaked)} /dev/shm entries left {leaked if leaked else ''}")
+    failed = corrupt or timeouts or leaked or batches == 0
+    print("FAIL" if failed else "PASS", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

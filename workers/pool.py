@@ -1,0 +1,756 @@
+"""``SamplerPool``: worker processes prefetch batches into a staging ring; the learner takes views.
+
+The learner's cost per batch is a message and a few attribute stores: workers draw indices,
+gather rows (validated by the buffer's seqlock) and apply the user's transform inside their own
+processes, into shared-memory slots that the learner then reads without copying.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import time
+import warnings
+import weakref
+from typing import Any
+
+import cloudpickle
+import multiprocess
+import numpy as np
+from multiprocess import connection as mp_connection
+
+from shmbuf import ReplayBuffer
+from shmbuf import layout as L
+from shmbuf.errors import (
+    BufferInUseError,
+    ClosedError,
+    ShmbufError,
+    Timeout,
+    WorkerDiedError,
+    WorkerError,
+)
+from shmbuf.limiter import RateLimit
+
+from .batch import Batch
+from .sampler_proc import (
+    MSG,
+    OP_ERROR,
+    OP_FILL,
+    OP_HELLO,
+    OP_READY,
+    OP_STOP,
+    SamplerConfig,
+    can_sample,
+    sampler_main,
+)
+from .staging import (
+    ASSIGNED,
+    FREE,
+    HELD,
+    INDICES,
+    LANES,
+    WEIGHTS,
+    W_GENERATION,
+    W_OWNER,
+    W_STATE,
+    StagingRing,
+)
+from .supervise import RestartBudget, describe_exit, self_inflicted, stop_process
+
+POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
+
+# Learner-side pipe ends and wake-up fds: a forked child (a worker, an actor, anything) must not
+# keep them open, or a dead learner's workers would never see end-of-file.
+_PARENT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _close_parent_only_in_child() -> None:
+    for obj in list(_PARENT_ONLY):
+        try:
+            obj._close_in_child()
+        except Exception:
+            pass
+
+
+os.register_at_fork(after_in_child=_close_parent_only_in_child)
+
+
+class _WorkerHandle:
+    """The learner's record of one worker slot (a worker id survives restarts)."""
+
+    def __init__(self, wid: int, slots: list[int]) -> None:
+        self.wid = wid
+        self.slots = slots  # staging slots this worker fills, fixed for the pool's life
+        self.proc: Any = None
+        self.conn: Any = None
+        self.hello = False
+        self.assigned: set[int] = set()  # told to fill, not reported ready yet
+        self.ready: collections.deque[int] = collections.deque()
+        self.startup_failures = 0
+        self.batches = 0
+
+    def _close_in_child(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+class SamplerPool:
+    """Sampler worker processes that keep a ring of ready batches for the learner.
+
+    Args:
+        buffer: a ``ReplayBuffer`` or the name of one.
+        batch_size: rows per batch.
+        n_workers: sampler processes; 0 samples in this process behind the same API.
+        n_staging: staging slots (batches in flight); at least ``n_workers + 1``.
+        seed: seeds one RNG stream per worker (``SeedSequence(seed).spawn``).
+        start_method: "fork", "forkserver" or "spawn" (default: multiprocess's default).
+        transform: ``f(batch: dict) -> dict`` applied in the worker before staging; serialised
+            with cloudpickle here, so a lambda works under every start method.
+        transform_spec: the transform's output as ``{name: (shape_without_batch, dtype)}``; by
+            default it is inferred by calling ``transform`` once on a zero batch here.
+        fields: buffer fields to sample (all by default).
+        min_size: sampling waits until the buffer holds this many transitions.
+        samples_per_insert: ``(ratio, tolerance)``, Reverb's SampleToInsertRatio: samplers wait
+            when they run ahead, and writers' ``add``/``extend`` wait when actors do.
+        timeout: default seconds ``next()`` waits before raising ``Timeout``.
+        output: "numpy" (views) or "torch" (``torch.from_numpy`` views, no copy).
+        ordered: deliver batches in fixed round-robin worker order (reproducible with a seed).
+        pin_memory: with output="torch" and CUDA, page-lock the staging ring so
+            ``tensor.to("cuda", non_blocking=True)`` is asynchronous.
+        max_restarts_per_minute: restart budget for dead workers (a rate, not a total).
+
+    Concurrency: the learner (this process) owns the staging segment and assigns each slot to
+    one worker at a time; the worker writes the slot and then announces it; only then does the
+    learner read it. A worker that dies mid-fill has its slots reclaimed (generation bumped)
+    and is restarted within the budget; a half-filled slot is never delivered. Workers exit by
+    themselves when the learner dies.
+
+    Example:
+        >>> with SamplerPool(buf, batch_size=256, n_workers=2, seed=0) as pool:
+        ...     for batch in pool:
+        ...         loss = train_step(batch["obs"], batch["action"])
+    """
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer | str,
+        batch_size: int,
+        n_workers: int | None = None,
+        n_staging: int | None = None,
+        seed: int | np.random.SeedSequence | None = None,
+        start_method: str | None = None,
+        transform: Any = None,
+        min_size: int = 1,
+        samples_per_insert: tuple[float, float] | None = None,
+        timeout: float = 60.0,
+        output: str = "numpy",
+        ordered: bool = False,
+        pin_memory: bool = False,
+        max_restarts_per_minute: float = 10.0,
+        fields: list[str] | None = None,
+        transform_spec: dict[str, Any] | None = None,
+    ) -> None:
+        self._closed = True  # until construction succeeds
+        self._own_buffer = not isinstance(buffer, ReplayBuffer)
+        self._buf = ReplayBuffer.attach(buffer) if self._own_buffer else buffer
+        self._ring: StagingRing | None = None
+        self._limiter_lease: Any = None
+        self._workers: list[_WorkerHandle] = []
+        self._wake_r = self._wake_w = -1
+        self._pinned: Any = None
+        self._views: list[dict[str, Any]] = []
+        self._local: dict[str, np.ndarray] = {}
+        self._held: Batch | None = None
+        try:
+            self._setup(batch_size, n_workers, n_staging, seed, start_method, transform,
+                        min_size, samples_per_insert, timeout, output, ordered, pin_memory,
+                        max_restarts_per_minute, fields, transform_spec)
+        except BaseException:
+            self._teardown(timeout=2.0)
+            raise
+
+    # -- construction -------------------------------------------------------------------------
+    def _setup(self, batch_size, n_workers, n_staging, seed, start_method, transform, min_size,
+               samples_per_insert, timeout, output, ordered, pin_memory, max_restarts,
+               fields, transform_spec) -> None:
+        buf = self._buf
+        self.batch_size = _positive_int("batch_size", batch_size)
+        if n_workers is None:
+            n_workers = max(1, min(4, (os.cpu_count() or 2) - 1))
+        if not isinstance(n_workers, int) or not 0 <= n_workers <= L.MAX_SAMPLERS:
+            raise ValueError(f"n_workers must be an int in [0, {L.MAX_SAMPLERS}], got {n_workers!r}")
+        self.n_workers = n_workers
+        if n_staging is None:
+            n_staging = 2 * n_workers + 2 if n_workers else 1
+        if not isinstance(n_staging, int) or n_staging < max(1, n_workers + 1):
+            raise ValueError(
+                f"n_staging must be an int >= n_workers + 1 = {n_workers + 1} (one slot per "
+                f"worker plus the one the learner holds), got {n_staging!r}"
+            )
+        self.n_staging = n_staging
+        if output not in ("numpy", "torch"):
+            raise ValueError(f"output must be 'numpy' or 'torch', got {output!r}")
+        self.output = output
+        self.timeout = _seconds("timeout", timeout)
+        self.ordered = bool(ordered)
+        self.min_size = _positive_int("min_size", min_size)
+        self._fields = buf._check_fields(fields) if fields is not None else list(buf.spec)
+        self._limit = _rate_limit(samples_per_insert, self.min_size, self.batch_size)
+        self._seed = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+        self._budget = RestartBudget(max_restarts)
+        self._ctx = multiprocess.get_context(start_method)
+        self.start_method = self._ctx.get_start_method()
+
+        # The transform is serialised here, so an unpicklable one fails at the call site.
+        _check_picklable(transform)
+        out_arrays = self._output_arrays(transform, transform_spec)
+        self._out_fields = [name for name, _, _ in out_arrays]
+        cfg = SamplerConfig(
+            buffer=buf.name, staging="", batch_size=self.batch_size, fields=self._fields,
+            out_fields=self._out_fields, transform=transform, min_size=self.min_size,
+            rate_limited=self._limit is not None,
+        )
+
+        if self._limit is not None:
+            self._take_limiter()
+        if n_workers == 0:
+            self._local = {n: np.empty((self.batch_size, *s), d) for n, s, d in out_arrays}
+            self._local_idx = np.zeros(self.batch_size, np.int64)
+            self._local_lanes = np.zeros(self.batch_size, np.int64)
+            self._local_w = np.ones(self.batch_size, np.float32)
+            self._local_scratch = (
+                {n: np.empty((self.batch_size, *buf.spec[n].shape), buf.spec[n].dtype)
+                 for n in self._fields} if transform is not None else None
+            )
+            self._transform = transform
+            self._rng = np.random.default_rng(self._seed)
+        else:
+            arrays = [(n, (self.batch_size, *s), d) for n, s, d in out_arrays]
+            arrays += [(INDICES, (self.batch_size,), np.int64), (LANES, (self.batch_size,), np.int64),
+                       (WEIGHTS, (self.batch_size,), np.float32)]
+            self._ring = StagingRing.create(
+                arrays, n_staging, {"buffer": buf.name, "batch_size": self.batch_size})
+            for s in range(n_staging):
+                self._ring.slot(s)[WEIGHTS][...] = 1.0
+            cfg.staging = self._ring.name
+            self._cfg_bytes = cloudpickle.dumps(cfg)
+        self._gen = [0] * n_staging
+        self._views = self._make_views(pin_memory)
+        self._ready: collections.deque[tuple[int, int]] = collections.deque()  # (wid, slot)
+        self._turn = 0
+        self._held: Batch | None = None
+        self._failure: BaseException | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        _PARENT_ONLY.add(self)
+        self._closed = False
+        self._started = time.monotonic()
+        self._committed0 = int(buf.committed().sum())
+        self._batches = 0
+        self._wait_s = 0.0
+        self._occupancy_sum = 0.0
+        if n_workers:
+            for wid in range(n_workers):
+                slots = list(range(wid, n_staging, n_workers))
+                self._workers.append(_WorkerHandle(wid, slots))
+            children = self._seed.spawn(n_workers)
+            for w, child in zip(self._workers, children):
+                self._start_worker(w, child, w.slots)
+
+    def _output_arrays(self, transform: Any, transform_spec: dict[str, Any] | None):
+        spec = self._buf.spec
+        if transform is None:
+            return [(n, spec[n].shape, spec[n].dtype) for n in self._fields]
+        if not callable(transform):
+            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
+        if transform_spec is not None:
+            return [(n, tuple(s), np.dtype(d)) for n, (s, d) in transform_spec.items()]
+        example = {n: np.zeros((self.batch_size, *spec[n].shape), spec[n].dtype) for n in self._fields}
+        try:
+            result = transform(dict(example))
+        except Exception as e:
+            raise TypeError(
+                f"transform {_callable_name(transform)} failed on a zero-filled example batch "
+                f"({type(e).__name__}: {e}); fix it, or pass transform_spec= to skip this check"
+            ) from e
+        result = example if result is None else result
+        out = []
+        for name, value in result.items():
+            arr = np.asarray(value)
+            if arr.ndim == 0 or arr.shape[0] != self.batch_size or arr.dtype == object:
+                raise TypeError(
+                    f"transform {_callable_name(transform)} returned {name!r} with shape "
+                    f"{arr.shape} dtype {arr.dtype}; every output must be a numeric array of "
+                    f"shape (batch_size={self.batch_size}, ...)"
+                )
+            out.append((str(name), arr.shape[1:], arr.dtype))
+        return out
+
+    def _take_limiter(self) -> None:
+        buf = self._buf
+        lease = buf._seg.lease()
+        if not lease.try_lock(L.LOCK_LIMITER):
+            lease.close()
+            raise ShmbufError(
+                f"another SamplerPool already rate-limits buffer {buf.name!r}; only one pool "
+                f"may set samples_per_insert on a buffer at a time"
+            )
+        self._limiter_lease = lease
+        credit = min(len(buf), self._limit.min_size)
+        buf._limiter.configure(self._limit, max(1, self.n_workers), credit=credit)
+
+    def _make_views(self, pin_memory: bool) -> list[dict[str, Any]]:
+        """Per slot: the learner's views (fields plus the internal arrays)."""
+        if self._ring is None:
+            slots = [dict(self._local, **{INDICES: self._local_idx, LANES: self._local_lanes,
+                                           WEIGHTS: self._local_w})]
+        else:
+            slots = [self._ring.slot(s) for s in range(self.n_staging)]
+        if self.output == "numpy":
+            if pin_memory:
+                warnings.warn("pin_memory=True only applies to output='torch'", stacklevel=3)
+            return [dict(s) for s in slots]
+        try:
+            import torch
+        except ImportError:
+            raise ImportError(
+                "output='torch' needs PyTorch: pip install 'shmbuf[torch]' (or torch)"
+            ) from None
+        if pin_memory:
+            self._pin(torch)
+        return [{k: torch.from_numpy(v) for k, v in s.items()} for s in slots]
+
+    def _pin(self, torch: Any) -> None:
+        if not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but CUDA is not available; staging stays pageable",
+                          stacklevel=4)
+            return
+        if self._ring is None:
+            return  # in-process batches live in private memory; nothing shared to pin
+        offset, length = self._ring.slot_span()
+        ptr = np.frombuffer(self._ring.seg.buf, np.uint8, count=length, offset=offset).ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, length, 0)
+        if int(err) != 0:
+            warnings.warn(f"cudaHostRegister of the staging ring failed ({err}); staying pageable",
+                          stacklevel=4)
+            return
+        self._pinned = (torch, ptr)
+
+    # -- worker processes -----------------------------------------------------------------------------
+    def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
+                      fill: list[int]) -> None:
+        """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=sampler_main, args=(self._cfg_bytes, child_end, w.wid, seed),
+            name=f"shmbuf-sampler-{w.wid}", daemon=True,
+        )
+        proc.start()
+        child_end.close()
+        w.proc, w.conn, w.hello = proc, parent_end, False
+        for s in fill:
+            self._assign(w, s)
+
+    def _assign(self, w: _WorkerHandle, slot: int) -> None:
+        ring = self._ring
+        self._gen[slot] += 1
+        ring.set(slot, W_GENERATION, self._gen[slot])
+        ring.set(slot, W_OWNER, w.wid)
+        ring.set(slot, W_STATE, ASSIGNED)
+        w.assigned.add(slot)
+        try:
+            w.conn.send_bytes(MSG.pack(OP_FILL, slot, self._gen[slot]))
+        except OSError:
+            pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def _receive(self, w: _WorkerHandle) -> None:
+        """Take every message ``w`` has sent."""
+        conn = w.conn
+        try:
+            while conn.poll(0):
+                msg = conn.recv_bytes()
+                op, slot, gen = MSG.unpack_from(msg)
+                if op == OP_READY:
+                    if slot in w.assigned and gen == self._gen[slot]:
+                        w.assigned.discard(slot)
+                        w.ready.append(slot)
+                        self._ready.append((w.wid, slot))
+                        w.batches += 1
+                elif op == OP_HELLO:
+                    w.hello = True
+                    w.startup_failures = 0
+                elif op == OP_ERROR:
+                    text = msg[MSG.size :].decode("utf-8", "replace")
+                    self._fail(WorkerError(
+                        f"sampler worker {w.wid} (pid {w.proc.pid}) raised; its traceback:\n{text}"
+                    ))
+        except (EOFError, OSError):
+            pass  # it died; the sentinel handles that
+
+    def _on_exit(self, w: _WorkerHandle) -> None:
+        """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
+        self._receive(w)
+        if self._failure is not None:
+            return
+        w.proc.join(1.0)
+        pid, how = w.proc.pid, describe_exit(w.proc.exitcode)
+        w.conn.close()
+        lost = sorted(w.assigned)
+        for s in lost:  # half-filled or never started: nobody writes them any more
+            self._gen[s] += 1
+            self._ring.set(s, W_GENERATION, self._gen[s])
+            self._ring.set(s, W_STATE, FREE)
+            self._ring.set(s, W_OWNER, -1)
+        w.assigned.clear()
+        if not w.hello and self_inflicted(w.proc.exitcode):
+            w.startup_failures += 1
+        if w.startup_failures >= 2:
+            self._fail(WorkerDiedError(
+                f"sampler worker {w.wid} (pid {pid}) {how} during start-up, twice in a row; not "
+                f"restarting it. Check that the buffer {self._buf.name!r} is reachable and the "
+                f"transform imports in a fresh process (start method {self.start_method!r})"
+            ))
+            return
+        if not self._budget.try_spend():
+            self._fail(WorkerDiedError(
+                f"sampler worker {w.wid} (pid {pid}) {how}; restart budget exhausted "
+                f"({self._budget.recent()} restarts in the last minute, max "
+                f"{self._budget.per_minute:g}/min). Fix the cause, or raise "
+                f"max_restarts_per_minute"
+            ))
+            return
+        # Slots it finished stay READY and are delivered; the new process refills the lost ones.
+        self._start_worker(w, self._seed.spawn(1)[0], lost)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+
+    # -- learner side ------------------------------------------------------------------------------------
+    def __iter__(self) -> SamplerPool:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next()
+
+    def next(self, timeout: float | None = None) -> Batch:
+        """The next ready batch; the previous one is released.
+
+        Raises:
+            Timeout: no batch within ``timeout`` (default: the pool's); the message says what
+                the pool is waiting for.
+            WorkerDiedError: a worker died and the restart budget is exhausted.
+            WorkerError: user code (the transform) raised in a worker.
+            ClosedError: the pool is closed (also raised in a thread waiting here when another
+                thread closes the pool).
+        """
+        self._check_open()
+        timeout = self.timeout if timeout is None else _seconds("timeout", timeout)
+        if self._held is not None:
+            self._held.release()
+        t0 = time.perf_counter()
+        if self._ring is None:
+            batch = self._next_in_process(timeout)
+        else:
+            batch = self._next_from_workers(timeout)
+        self._wait_s += time.perf_counter() - t0
+        self._batches += 1
+        return batch
+
+    def _next_from_workers(self, timeout: float) -> Batch:
+        deadline = time.monotonic() + timeout
+        self._occupancy_sum += len(self._ready) / self.n_staging
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            slot = self._pop_ready()
+            if slot is not None:
+                return self._hold(slot)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
+            self._poll(min(remaining, POLL_SLICE))
+
+    def _pop_ready(self) -> int | None:
+        if self.ordered:
+            w = self._workers[self._turn]
+            if not w.ready:
+                return None
+            slot = w.ready.popleft()
+            self._ready.remove((w.wid, slot))
+            self._turn = (self._turn + 1) % self.n_workers
+            return slot
+        if not self._ready:
+            return None
+        wid, slot = self._ready.popleft()
+        self._workers[wid].ready.remove(slot)
+        return slot
+
+    def _poll(self, timeout: float) -> None:
+        """Wait for messages, deaths or a wake-up; handle them."""
+        by_obj: dict[Any, tuple[str, _WorkerHandle | None]] = {self._wake_r: ("wake", None)}
+        for w in self._workers:
+            by_obj[w.conn] = ("msg", w)
+            by_obj[w.proc.sentinel] = ("exit", w)
+        ready = mp_connection.wait(list(by_obj), timeout)
+        exits = []
+        for obj in ready:
+            kind, w = by_obj[obj]
+            if kind == "wake":
+                os.read(self._wake_r, 4096)
+                self._check_open()
+            elif kind == "msg":
+                self._receive(w)
+            else:
+                exits.append(w)
+        for w in exits:
+            self._on_exit(w)
+
+    def _hold(self, slot: int) -> Batch:
+        if self._ring is not None:
+            self._ring.set(slot, W_STATE, HELD)
+        v = self._views[slot]
+        batch = Batch(
+            {n: v[n] for n in self._out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
+            self._release_batch, slot, self._gen[slot],
+        )
+        self._held = batch
+        return batch
+
+    def _release_batch(self, batch: Batch) -> None:
+        if batch is not self._held:
+            return
+        self._held = None
+        if self._closed or self._ring is None or self._failure is not None:
+            return
+        w = self._workers[self._ring.get(batch.slot, W_OWNER)]
+        self._assign(w, batch.slot)
+
+    def _next_in_process(self, timeout: float) -> Batch:
+        buf = self._buf
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        limiter = buf._limiter if self._limit is not None else None
+        while not can_sample(buf, limiter, self.min_size, self.batch_size):
+            now = time.monotonic()
+            if now >= deadline:
+                raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 2e-3)
+        target = self._local if self._transform is None else self._local_scratch
+        draw = buf.sample_into({n: target[n] for n in self._fields}, self._rng)
+        if self._transform is not None:
+            batch = dict(self._local_scratch)
+            result = self._transform(batch)
+            result = batch if result is None else result
+            for name in self._out_fields:
+                np.copyto(self._local[name], np.asarray(result[name]), casting="same_kind")
+        self._local_idx[...] = draw.indices
+        self._local_lanes[...] = draw.lanes
+        if limiter is not None:
+            q = buf._q
+            c = limiter.counter_index(0)
+            q[c] = q[c] + self.batch_size
+        return self._hold(0)
+
+    def _waiting_for(self) -> str:
+        buf = self._buf
+        size = len(buf)
+        if size < self.min_size:
+            return (f"the buffer holds {size} of min_size={self.min_size} transitions; are the "
+                    f"actors writing to {buf.name!r}?")
+        if self._limit is not None:
+            _, limit, base, n = buf._limiter.read()
+            if limit is not None:
+                inserts = buf._limiter.total_committed() - base
+                samples = buf._limiter.samples(n)
+                if not limit.can_sample(inserts, samples, self.batch_size):
+                    return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
+                            f"{samples}, samples_per_insert {limit.samples_per_insert}): actors "
+                            f"are not inserting fast enough")
+        alive = sum(1 for w in self._workers if w.proc is not None and w.proc.is_alive())
+        return f"{alive} of {self.n_workers} workers alive, none has a batch ready"
+
+    # -- stats ------------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Batches/s, actual samples per insert, staging occupancy, learner wait, restarts."""
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        inserts = int(self._buf.committed().sum()) - self._committed0
+        samples = self._batches * self.batch_size
+        if self._limit is not None and not self._closed:
+            _, limit, base, n = self._buf._limiter.read()
+            if limit is not None:
+                samples = self._buf._limiter.samples(n)
+        return {
+            "batches": self._batches,
+            "batches_per_s": self._batches / elapsed,
+            "samples_per_insert": samples / inserts if inserts > 0 else math.inf,
+            "inserts_per_s": inserts / elapsed,
+            "staging_ready": len(self._ready),
+            "staging_occupancy": len(self._ready) / self.n_staging,
+            "mean_staging_occupancy": self._occupancy_sum / max(self._batches, 1),
+            "learner_wait_s": self._wait_s,
+            "learner_wait_frac": self._wait_s / elapsed,
+            "restarts": self._budget.total,
+            "elapsed_s": elapsed,
+            "workers": [
+                {"id": w.wid, "pid": w.proc.pid if w.proc else None,
+                 "alive": bool(w.proc is not None and w.proc.is_alive()), "batches": w.batches}
+                for w in self._workers
+            ],
+        }
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        return self._buf
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if w.proc is not None]
+
+    @property
+    def staging_name(self) -> str | None:
+        return self._ring.name if self._ring is not None else None
+
+    # -- teardown -------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the SamplerPool is closed")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the workers (gracefully, then firmly), lift the rate limit and free the staging
+        ring. Wakes a thread blocked in ``next()``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+        self._teardown(timeout)
+
+    def _teardown(self, timeout: float) -> None:
+        if getattr(self, "_held", None) is not None:
+            self._held._invalidate()
+            self._held = None
+        for w in self._workers:
+            if w.conn is not None and not w.conn.closed:
+                try:
+                    w.conn.send_bytes(MSG.pack(OP_STOP, 0, 0))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            if w.proc is not None:
+                stop_process(w.proc, max(0.1, deadline - time.monotonic()))
+            if w.conn is not None:
+                w.conn.close()
+        self._workers = []
+        if self._limiter_lease is not None:
+            if not self._buf.closed:
+                self._buf._limiter.deactivate()
+            self._limiter_lease.close()
+            self._limiter_lease = None
+        if self._pinned is not None:
+            torch, ptr = self._pinned
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            self._pinned = None
+        self._views = []
+        self._local = {}
+        if self._ring is not None:
+            try:
+                self._ring.close()
+            except BufferInUseError as e:
+                warnings.warn(str(e), ResourceWarning, stacklevel=3)
+            self._ring = None
+        if self._own_buffer and not self._buf.closed:
+            try:
+                self._buf.close()
+            except BufferInUseError as e:
+                warnings.warn(str(e), ResourceWarning, stacklevel=3)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        _PARENT_ONLY.discard(self)
+
+    def _close_in_child(self) -> None:
+        for w in self._workers:
+            w._close_in_child()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._wake_r = self._wake_w = -1
+        self._workers = []
+        self._closed = True
+
+    def __enter__(self) -> SamplerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close(timeout=1.0)
+            except Exception:
+                pass
+
+
+# -- argument helpers ---------------------------------------------------------------------------------------
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _seconds(name: str, value: Any) -> float:
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+    if math.isnan(t) or t <= 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    return t
+
+
+def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> RateLimit | None:
+    if samples_per_insert is None:
+        return None
+    try:
+        ratio, tolerance = samples_per_insert
+        ratio, tolerance = float(ratio), float(tolerance)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"samples_per_insert must be (ratio, tolerance), e.g. (8.0, 1024), got "
+            f"{samples_per_insert!r}"
+        ) from None
+    if tolerance < batch_size:
+        raise ValueError(
+            f"samples_per_insert tolerance {tolerance:g} is smaller than batch_size "
+            f"{batch_size}: samplers could never take a whole batch. Fix: a tolerance of at "
+            f"least a few batches, e.g. ({ratio:g}, {4 * batch_size})"
+        )
+    return RateLimit(min_size, ratio, tolerance)
+
+
+def _callable_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _check_picklable(fn: Any) -> None:
+    if fn is None:
+        return
+    try:
+        cloudpickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(
+            f"transform {_callable_name(fn)} cannot be serialised for the worker processes "
+            f"({type(e).__name__}: {e}). Fix: avoid capturing unpicklable objects (locks, open "
+            f"files, sockets) in it; create them inside the function instead"
+        ) from e

@@ -1,0 +1,214 @@
+"""The sampler worker process: fills staging slots the learner assigns to it, one batch each.
+
+Protocol with the learner, over this worker's own duplex pipe (fixed-size messages):
+learner -> worker ``FILL(slot, generation)`` or ``STOP``; worker -> learner ``HELLO`` once set up,
+``READY(slot, generation)`` after a slot is completely written, ``ERROR(traceback)`` when user
+code fails. A slot is only ever announced after its last byte is written, so a worker killed
+mid-fill can never hand over a half-filled batch.
+
+The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
+segment's owner lease is free (checked at least every ``LIVENESS_EVERY`` seconds).
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import struct
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from shmbuf import ReplayBuffer
+from shmbuf.errors import SamplingError
+
+from .staging import FILLING, INDICES, LANES, READY, W_OWNER, W_SEQ, W_STATE, StagingRing
+
+OP_HELLO, OP_READY, OP_ERROR, OP_FILL, OP_STOP = 1, 2, 3, 10, 11
+MSG = struct.Struct("<qqq")
+LIVENESS_EVERY = 0.5
+SAMPLING_ERRORS_BEFORE_REPORT = 10
+
+
+@dataclass
+class SamplerConfig:
+    """Everything a worker needs; cloudpickled once in the learner."""
+
+    buffer: str
+    staging: str
+    batch_size: int
+    fields: list[str]  # buffer fields to gather
+    out_fields: list[str]  # staging fields (transform output, or ``fields``)
+    transform: Any = None
+    min_size: int = 1
+    rate_limited: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def can_sample(buf: ReplayBuffer, limiter: Any, min_size: int, batch_size: int) -> bool:
+    """May a batch be drawn now? The rate limiter's verdict if one is active, else min_size."""
+    if limiter is not None:
+        _, limit, base, n = limiter.read()
+        if limit is not None:
+            inserts = limiter.total_committed() - base
+            return limit.can_sample(inserts, limiter.samples(n), batch_size)
+    return buf.windows().total >= min_size
+
+
+class LearnerGone(Exception):
+    """The learner process is gone: the worker exits quietly."""
+
+
+def sampler_main(cfg_bytes: bytes, conn: Any, worker_id: int, seed: Any) -> None:
+    """Entry point of a sampler worker process (any start method)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's; it stops us
+    worker = None
+    try:
+        worker = _Worker(cloudpickle.loads(cfg_bytes), conn, worker_id, seed)
+        conn.send_bytes(MSG.pack(OP_HELLO, worker_id, 0))
+        worker.run()
+    except LearnerGone:
+        pass
+    except BaseException:
+        _send_error(conn, traceback.format_exc())
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _send_error(conn: Any, text: str) -> None:
+    try:
+        conn.send_bytes(MSG.pack(OP_ERROR, 0, 0) + text.encode("utf-8", "replace"))
+    except (OSError, ValueError):
+        pass
+
+
+class _Worker:
+    def __init__(self, cfg: SamplerConfig, conn: Any, worker_id: int, seed: Any) -> None:
+        self.cfg = cfg
+        self.conn = conn
+        self.wid = worker_id
+        self.rng = np.random.default_rng(seed)
+        self.buf = ReplayBuffer.attach(cfg.buffer)
+        self.ring = StagingRing.attach(cfg.staging)
+        self.batch_size = cfg.batch_size
+        self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.seq = 0
+        self.next_liveness = time.monotonic() + LIVENESS_EVERY
+        self.limiter = self.buf._limiter if cfg.rate_limited else None
+        self.counter = self.limiter.counter_index(worker_id) if self.limiter else -1
+        self.transform = cfg.transform
+        spec = self.buf.spec
+        self.scratch = (
+            {n: np.empty((cfg.batch_size, *spec[n].shape), spec[n].dtype) for n in cfg.fields}
+            if self.transform is not None
+            else None
+        )
+        # Without a transform, rows are gathered straight into each slot's field views.
+        self.targets = (
+            [{n: self.ring.slot(s)[n] for n in cfg.fields} for s in range(self.ring.n_slots)]
+            if self.transform is None
+            else []
+        )
+
+    # -- messages -------------------------------------------------------------------------------
+    def _receive(self, timeout: float) -> None:
+        """Move messages into ``pending``; raise LearnerGone on EOF."""
+        conn = self.conn
+        try:
+            if not conn.poll(timeout):
+                return
+            while True:
+                msg = conn.recv_bytes()
+                self.pending.append(MSG.unpack_from(msg))
+                if not conn.poll(0):
+                    return
+        except (EOFError, OSError):
+            raise LearnerGone from None
+
+    def _check_learner(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_liveness:
+            self.next_liveness = now + LIVENESS_EVERY
+            if not self.ring.seg.owner_alive():
+                raise LearnerGone
+
+    def run(self) -> None:
+        while True:
+            if not self.pending:
+                self._receive(LIVENESS_EVERY)
+                self._check_learner()
+                continue
+            op, slot, gen = self.pending.popleft()
+            if op == OP_STOP:
+                return
+            if op == OP_FILL:
+                self._fill(slot, gen)
+
+    # -- filling --------------------------------------------------------------------------------
+    def _wait_can_sample(self) -> None:
+        pause = 5e-5
+        while not can_sample(self.buf, self.limiter, self.cfg.min_size, self.batch_size):
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+            self._check_learner()
+            self._receive(0)
+            if any(op == OP_STOP for op, _, _ in self.pending):
+                raise LearnerGone  # asked to stop while waiting: nothing half-written
+
+    def _fill(self, slot: int, gen: int) -> None:
+        self._wait_can_sample()
+        ring = self.ring
+        ring.set(slot, W_OWNER, self.wid)
+        ring.set(slot, W_STATE, FILLING)
+        views = ring.slot(slot)
+        draw = self._sample(slot, views)
+        views[INDICES][...] = draw.indices
+        views[LANES][...] = draw.lanes
+        if self.limiter is not None:
+            q = self.buf._q
+            q[self.counter] = q[self.counter] + self.batch_size
+        ring.set(slot, W_SEQ, self.seq)
+        self.seq += 1
+        ring.set(slot, W_STATE, READY)
+        try:
+            self.conn.send_bytes(MSG.pack(OP_READY, slot, gen))
+        except OSError:
+            raise LearnerGone from None
+
+    def _sample(self, slot: int, views: dict[str, np.ndarray]) -> Any:
+        target = self.targets[slot] if self.transform is None else self.scratch
+        for attempt in range(SAMPLING_ERRORS_BEFORE_REPORT):
+            try:
+                draw = self.buf.sample_into(target, self.rng)
+                break
+            except SamplingError:
+                if attempt == SAMPLING_ERRORS_BEFORE_REPORT - 1:
+                    raise
+        if self.transform is not None:
+            batch = dict(self.scratch)
+            result = self.transform(batch)
+            result = batch if result is None else result
+            for name in self.cfg.out_fields:
+                value = np.asarray(result[name])
+                dst = views[name]
+                if value.shape != dst.shape:
+                    raise ValueError(
+                        f"transform returned {name!r} with shape {value.shape}, but its first "
+                        f"result had {dst.shape}: a transform must keep shapes and dtypes fixed"
+                    )
+                np.copyto(dst, value, casting="same_kind")
+        return draw
+
+    def close(self) -> None:
+        self.targets = []
+        self.scratch = None
+        for closer in (self.ring.close, self.buf.close):
+            try:
+                closer()
+            except Exception:
+                pass

@@ -1,0 +1,166 @@
+"""The staging ring: a shared-memory segment of batch-sized slots that workers fill for the learner.
+
+Layout after the common shmbuf header page (see ``shmbuf.layout``):
+
+- slot control: ``CONTROL_LINES`` 64-byte lines per slot, one u64 per line: ``STATE`` (FREE,
+  ASSIGNED, FILLING, READY, HELD), ``OWNER`` (worker id or -1), ``GENERATION`` (bumped every time
+  the slot is recycled or reclaimed), ``SEQ`` (which batch of its worker it holds).
+- per-slot data, each slot starting on a page: every array ``[B, *shape]`` 64-byte aligned, in the
+  order of the layout document (fields, then ``_indices``, ``_lanes``, ``_weights``...).
+
+Concurrency: a slot's words and data are written only by whoever holds the slot, and ownership
+moves by message (learner -> worker: "fill slot s"; worker -> learner: "slot s is ready"), so no
+word ever has two writers. The learner (the owner of this segment) reclaims a slot from a worker
+only after that worker's process is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shmbuf import layout as L
+from shmbuf.segment import Segment
+
+FREE, ASSIGNED, FILLING, READY, HELD = range(5)
+STATE_NAMES = {FREE: "free", ASSIGNED: "assigned", FILLING: "filling", READY: "ready", HELD: "held"}
+
+W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
+CONTROL_LINES = 4
+
+# Arrays every slot carries besides the batch's fields.
+INDICES, LANES, WEIGHTS = "_indices", "_lanes", "_weights"
+
+
+@dataclass(frozen=True)
+class SlotArray:
+    name: str
+    offset: int  # within the slot
+    shape: tuple[int, ...]  # including the batch axis
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    n_slots: int
+    header_size: int
+    control_offset: int
+    data_offset: int
+    slot_stride: int
+    arrays: tuple[SlotArray, ...]
+    total_size: int
+
+    def word(self, slot: int, word: int) -> int:
+        """Index into the segment's int64 word view of ``word`` of ``slot``."""
+        return (self.control_offset + (slot * CONTROL_LINES + word) * L.LINE) // 8
+
+    def slot_offset(self, slot: int) -> int:
+        return self.data_offset + slot * self.slot_stride
+
+
+def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
+                   json_len: int) -> StagingLayout:
+    """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch)."""
+    hdr = L.header_size(json_len)
+    control = hdr
+    data = L.align(control + n_slots * CONTROL_LINES * L.LINE, L.PAGE)
+    offset = 0
+    out = []
+    for name, shape, dtype in arrays:
+        arr = SlotArray(name, offset, tuple(shape), np.dtype(dtype))
+        out.append(arr)
+        offset = L.align(offset + arr.nbytes)
+    stride = L.align(max(offset, 1), L.PAGE)
+    return StagingLayout(n_slots, hdr, control, data, stride, tuple(out), data + n_slots * stride)
+
+
+class StagingRing:
+    """A mapped staging segment: slot views and control words.
+
+    Create it in the learner (``create``), attach in workers (``attach``).
+    """
+
+    def __init__(self, segment: Segment) -> None:
+        doc = segment.header.doc
+        self.doc = doc
+        arrays = [(a["name"], tuple(a["shape"]), a["dtype"]) for a in doc["arrays"]]
+        self.layout = staging_layout(arrays, int(doc["n_slots"]), len(L.encode_layout(doc)))
+        self.seg = segment
+        mm = segment.buf
+        self.words = memoryview(mm).cast("q")
+        self._slots: list[dict[str, np.ndarray]] = []
+        for s in range(self.layout.n_slots):
+            base = self.layout.slot_offset(s)
+            self._slots.append(
+                {
+                    a.name: np.frombuffer(
+                        mm, a.dtype, count=int(np.prod(a.shape, dtype=np.int64)),
+                        offset=base + a.offset,
+                    ).reshape(a.shape)
+                    for a in self.layout.arrays
+                }
+            )
+
+    @classmethod
+    def create(cls, arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
+               meta: dict[str, Any]) -> StagingRing:
+        doc = {
+            "kind": "staging",
+            "n_slots": n_slots,
+            "arrays": [
+                {"name": n, "shape": list(shape), "dtype": np.dtype(dt).str}
+                for n, shape, dt in arrays
+            ],
+            **meta,
+        }
+
+        def size_of(json_len: int) -> int:
+            return staging_layout(arrays, n_slots, json_len).total_size
+
+        ring = cls(Segment.create(None, L.KIND_STAGING, doc, size_of))
+        for s in range(n_slots):
+            ring.set(s, W_OWNER, -1)
+        return ring
+
+    @classmethod
+    def attach(cls, name: str) -> StagingRing:
+        return cls(Segment.attach(name, L.KIND_STAGING))
+
+    @property
+    def name(self) -> str:
+        return self.seg.name
+
+    @property
+    def n_slots(self) -> int:
+        return self.layout.n_slots
+
+    def slot(self, s: int) -> dict[str, np.ndarray]:
+        """Every array of slot ``s`` (fields and the internal ``_indices``/``_lanes``/...)."""
+        return self._slots[s]
+
+    def get(self, s: int, word: int) -> int:
+        return self.words[self.layout.word(s, word)]
+
+    def set(self, s: int, word: int, value: int) -> None:
+        self.words[self.layout.word(s, word)] = value
+
+    def states(self) -> list[int]:
+        return [self.get(s, W_STATE) for s in range(self.n_slots)]
+
+    def slot_span(self) -> tuple[int, int]:
+        """(byte offset, length) of all slot data, e.g. to pin it for async GPU copies."""
+        return self.layout.data_offset, self.layout.n_slots * self.layout.slot_stride
+
+    def close(self) -> None:
+        """Drop this process's views and unmap; the owner also unlinks. Idempotent."""
+        self._slots = []
+        if self.words is not None:
+            self.words.release()
+            self.words = None  # type: ignore[assignment]
+        self.seg.close()
