@@ -25,6 +25,7 @@ from .errors import (
     StaleIndexError,
     Timeout,
     WorkerDiedError,
+    WorkerError,
 )
 from .limiter import RateLimit
 from .spec import Field, Spec
@@ -53,6 +54,7 @@ __all__ = [
     "StaleIndexError",
     "Timeout",
     "WorkerDiedError",
+    "WorkerError",
     "Writer",
     "__version__",
 ]

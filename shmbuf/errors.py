@@ -74,5 +74,9 @@ class WorkerDiedError(ShmbufError, RuntimeError):
     """A worker process died and could not be (or may no longer be) restarted."""
 
 
+class WorkerError(ShmbufError, RuntimeError):
+    """User code in a sampler worker (e.g. a transform) raised; carries the worker's traceback."""
+
+
 class ActorError(ShmbufError, RuntimeError):
     """An actor function raised; the message carries the actor's traceback."""

@@ -20,8 +20,6 @@ import math
 import struct
 from dataclasses import dataclass
 
-import numpy as np
-
 from . import layout as L
 
 _F64 = struct.Struct("<d")
@@ -82,14 +80,26 @@ class RateLimit:
         """The largest n for which ``can_insert(inserts, samples, n)`` holds (may be huge)."""
         if self.samples_per_insert is None:
             return 1 << 62
-        by_ratio = math.floor((self.max_diff + samples) / self.samples_per_insert + 1e-9) - inserts
-        return max(0, self.min_size - inserts, by_ratio)
+        by_ratio = math.floor((self.max_diff + samples) / self.samples_per_insert) - inserts
+        n = max(0, self.min_size - inserts, by_ratio)
+        # The division rounds; settle the last row with can_insert's own arithmetic.
+        while n > 0 and not self.can_insert(inserts, samples, n):
+            n -= 1
+        while self.can_insert(inserts, samples, n + 1):
+            n += 1
+        return n
 
     def max_insert_chunk(self) -> int:
-        """The most rows one call can ever insert at once once past ``min_size``."""
+        """The most rows one call may insert at once and still be sure to get through.
+
+        ``tolerance / samples_per_insert`` rows: samplers that take whole batches of up to
+        ``tolerance`` rows can stop anywhere below ``min_diff + batch``, and a chunk crossing
+        ``min_size`` starts from no samples at all; a larger chunk could wait for samplers that
+        wait for it.
+        """
         if self.samples_per_insert is None:
             return 1 << 62
-        return max(1, math.floor((self.max_diff - self.min_diff) / self.samples_per_insert))
+        return max(1, math.floor(self.tolerance / self.samples_per_insert))
 
 
 class LimiterBlock:
@@ -148,8 +158,12 @@ class LimiterBlock:
         return self._ctr + slot * L.WORDS_PER_LINE
 
     # -- writes: only the holder of LOCK_LIMITER ----------------------------------------------
-    def configure(self, limit: RateLimit, n_samplers: int) -> None:
-        """Activate ``limit`` for samplers [0, n_samplers); zero their counters."""
+    def configure(self, limit: RateLimit, n_samplers: int, credit: int = 0) -> None:
+        """Activate ``limit`` for samplers [0, n_samplers); zero their counters.
+
+        Inserts are counted from now, plus ``credit`` for rows already present (a pool started on
+        a pre-filled buffer passes ``min(len(buf), min_size)`` so it starts at equilibrium).
+        """
         if not 0 < n_samplers <= L.MAX_SAMPLERS:
             raise ValueError(f"n_samplers must be in [1, {L.MAX_SAMPLERS}], got {n_samplers}")
         q = self._q
@@ -161,7 +175,7 @@ class LimiterBlock:
         _F64.pack_into(mm, self._word(L.LIM_MIN_DIFF) * 8, limit.min_diff if spi else 0.0)
         _F64.pack_into(mm, self._word(L.LIM_MAX_DIFF) * 8, limit.max_diff if spi else 0.0)
         q[self._word(L.LIM_MIN_SIZE)] = int(limit.min_size)
-        q[self._word(L.LIM_INSERTS_BASE)] = self.total_committed()
+        q[self._word(L.LIM_INSERTS_BASE)] = self.total_committed() - int(credit)
         q[self._word(L.LIM_N_SAMPLERS)] = n_samplers
         q[self._word(L.LIM_ACTIVE)] = 1
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
@@ -171,7 +185,3 @@ class LimiterBlock:
         q[self._word(L.LIM_ACTIVE)] = 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
 
-
-def lane_committed(words: np.ndarray) -> np.ndarray:
-    """Committed counters of all lanes from the [lanes, LANE_LINES, 8] int64 lane-header view."""
-    return words[:, L.LANE_COMMITTED, 0]

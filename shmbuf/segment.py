@@ -108,6 +108,14 @@ class Lease:
             os.close(fd)
         Lease._live.discard(self)
 
+    def __del__(self) -> None:
+        # Last resort, not the plan: a lease dropped unclosed (e.g. a Writer never closed) must
+        # not hold its locks and descriptor for the rest of the process.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     @classmethod
     def _after_fork_in_child(cls) -> None:
         for lease in list(cls._live):
@@ -127,7 +135,9 @@ os.register_at_fork(after_in_child=Lease._after_fork_in_child)
 # Owner cleanup: atexit and signals
 # --------------------------------------------------------------------------------------------
 _owned: dict[str, int] = {}  # segment name -> pid of the owner that must unlink it
-_owned_lock = threading.Lock()
+# Re-entrant: the signal handler runs on the main thread, possibly while that thread is inside
+# one of the critical sections below; a plain Lock would deadlock it (the process hangs).
+_owned_lock = threading.RLock()
 _prev_handlers: dict[int, Any] = {}
 
 

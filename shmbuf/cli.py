@@ -1,0 +1,345 @@
+"""The ``shmbuf`` command: list, inspect and garbage-collect shared-memory segments.
+
+Subcommands: ``ls``, ``gc``, ``inspect``, plus any registered under the ``shmbuf.commands``
+entry-point group (each a ``register(subparsers)`` function, e.g. ``demo`` from ``workers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Sequence
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+from . import layout as L
+from .errors import ShmbufError
+from .segment import (
+    SHM_DIR,
+    Segment,
+    SegmentInfo,
+    fmt_bytes,
+    is_locked,
+    normalize_name,
+    scan,
+    unlink,
+)
+from .spec import Spec
+
+PLUGIN_GROUP = "shmbuf.commands"
+GC_MIN_AGE_S = 10.0  # an uninitialised segment younger than this may be being created right now
+
+
+# --------------------------------------------------------------------------------------------
+# Reading segments without attaching
+# --------------------------------------------------------------------------------------------
+def _state(info: SegmentInfo) -> str:
+    """``alive``, ``leaked`` (what ``gc`` removes) or ``creating`` (uninitialised, young)."""
+    if info.alive:
+        return "alive"
+    if info.header is None and info.age < GC_MIN_AGE_S:
+        return "creating"
+    return "leaked"
+
+
+def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
+    """(capacity, lanes, fill) of a replay buffer, reading its committed words with pread."""
+    if info.header is None or info.header.kind != L.KIND_BUFFER:
+        return None
+    doc = info.header.doc
+    try:
+        spec = Spec.from_json(doc["spec"])
+        capacity, lanes = int(doc["capacity"]), int(doc["lanes"])
+        lay = L.buffer_layout(
+            [(f.name, f.shape, f.dtype) for f in spec.values()], capacity, lanes,
+            len(L.encode_layout(doc)),
+        )
+    except (KeyError, TypeError, ValueError, ShmbufError):
+        return None
+    try:
+        fd = os.open(os.path.join(SHM_DIR, info.name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return capacity, lanes, None
+    try:
+        raw = os.pread(fd, lanes * L.LANE_LINES * L.LINE, lay.lane_offset)
+    finally:
+        os.close(fd)
+    if len(raw) != lanes * L.LANE_LINES * L.LINE:
+        return capacity, lanes, None
+    words = np.frombuffer(raw, "<i8").reshape(lanes, L.LANE_LINES, L.WORDS_PER_LINE)
+    held = np.minimum(words[:, L.LANE_COMMITTED, 0], capacity).sum()
+    return capacity, lanes, float(held) / (capacity * lanes)
+
+
+def _describe(info: SegmentInfo) -> dict[str, Any]:
+    geometry = _buffer_geometry(info)
+    capacity, lanes, fill = geometry if geometry is not None else (None, None, None)
+    hdr = info.header
+    return {
+        "name": info.name,
+        "kind": info.kind_name,
+        "owner_pid": hdr.owner_pid if hdr is not None else None,
+        "state": _state(info),
+        "alive": info.alive,
+        "size": info.size,
+        "capacity": capacity,
+        "lanes": lanes,
+        "fill": fill,
+        "created": hdr.created if hdr is not None else None,
+        "age_s": round(info.age, 3),
+    }
+
+
+def _table(rows: list[list[str]], right: Collection[int] = ()) -> str:
+    columns = range(len(rows[0]))
+    widths = [max(len(r[i]) for r in rows) for i in columns]
+    lines = []
+    for r in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, c, w in zip(columns, r, widths)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _dash(value: Any, fmt: Callable[[Any], str] = str) -> str:
+    return "-" if value is None else fmt(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``shmbuf ls [--json]``: every shmbuf segment of this user, alive or leaked."""
+    segments = [_describe(info) for info in scan()]
+    if args.json:
+        print(json.dumps(segments, indent=1))
+        return 0
+    if not segments:
+        print(f"no shmbuf segments in {SHM_DIR}")
+        return 0
+    rows = [["NAME", "KIND", "OWNER", "STATE", "SIZE", "CAPACITY", "LANES", "FILL"]]
+    for s in segments:
+        rows.append([
+            s["name"], s["kind"], _dash(s["owner_pid"]), s["state"], fmt_bytes(s["size"]),
+            _dash(s["capacity"]), _dash(s["lanes"]), _dash(s["fill"], lambda f: f"{f:.1%}"),
+        ])
+    print(_table(rows, right={2, 4, 5, 6, 7}))
+    leaked = sum(s["state"] == "leaked" for s in segments)
+    if leaked:
+        print(f"\n{leaked} leaked segment(s): `shmbuf gc` removes them")
+    return 0
+
+
+def _still_leaked(name: str) -> bool:
+    """Re-check right before unlinking: the owner lease is still free."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return not is_locked(fd, L.LOCK_OWNER)
+    finally:
+        os.close(fd)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """``shmbuf gc [--dry-run] [NAME ...]``: unlink leaked segments, never a live one.
+
+    Leaked: the owner lease is free (its creator died without unlinking). A segment without a
+    header yet is left alone for ``GC_MIN_AGE_S``: its creator may be initialising it right now.
+    """
+    wanted = {normalize_name(n) for n in args.names}
+    found: set[str] = set()
+    removed = freed = 0
+    for info in scan():
+        if wanted and info.name not in wanted:
+            continue
+        found.add(info.name)
+        state = _state(info)
+        if state != "leaked":
+            if wanted:
+                print(f"kept {info.name}: {state}")
+            continue
+        owner = f"owner pid {info.header.owner_pid}" if info.header else "never initialised"
+        what = f"{info.name} ({info.kind_name}, {owner}, {fmt_bytes(info.size)})"
+        if args.dry_run:
+            print(f"would remove {what}")
+        elif _still_leaked(info.name) and unlink(info.name):
+            print(f"removed {what}")
+        else:
+            continue
+        removed += 1
+        freed += info.size
+    for name in sorted(wanted - found):
+        print(f"shmbuf gc: no shmbuf segment named {name!r}", file=sys.stderr)
+    verb = "would free" if args.dry_run else "freed"
+    if removed:
+        print(f"{removed} leaked segment(s), {verb} {fmt_bytes(freed)}")
+    else:
+        print("no leaked segments")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``shmbuf inspect [--json] NAME``: header, and for a buffer its spec and per-lane stats."""
+    from .buffer import ReplayBuffer
+
+    seg = Segment.attach(args.name, timeout=args.timeout)
+    try:
+        hdr = seg.header
+        info: dict[str, Any] = {
+            "name": seg.name,
+            "kind": {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring"}.get(
+                hdr.kind, f"kind {hdr.kind}"
+            ),
+            "format_version": hdr.version,
+            "owner_pid": hdr.owner_pid,
+            "owner_alive": seg.owner_alive(),
+            "owner_uid": hdr.owner_uid,
+            "created": hdr.created,
+            "size": hdr.total_size,
+        }
+        kind = hdr.kind
+    finally:
+        seg.close()
+    if kind == L.KIND_BUFFER:
+        with ReplayBuffer.attach(args.name, timeout=args.timeout) as buf:
+            info["spec"] = buf.spec.to_json()
+            info["stats"] = buf.stats()
+    else:
+        info["layout"] = hdr.doc
+    if args.json:
+        print(json.dumps(info, indent=1, default=_json_default))
+    else:
+        print(_format_inspect(info))
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _format_inspect(info: dict[str, Any]) -> str:
+    age = time.time() - info["created"]
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["created"]))
+    out = [
+        f"name:     {info['name']}",
+        f"kind:     {info['kind']} (format {info['format_version']})",
+        f"owner:    pid {info['owner_pid']}, uid {info['owner_uid']}, "
+        f"{'alive' if info['owner_alive'] else 'dead (leaked: `shmbuf gc` removes it)'}",
+        f"created:  {created} ({age:.0f} s ago)",
+        f"size:     {fmt_bytes(info['size'])}",
+    ]
+    if "stats" not in info:
+        out.append("layout:")
+        out.extend("  " + line for line in json.dumps(info["layout"], indent=2).splitlines())
+        return "\n".join(out)
+    st = info["stats"]
+    cap, lanes = st["capacity"], st["lanes"]
+    out += [
+        f"capacity: {cap} per lane x {lanes} lane(s); holds {st['size']} "
+        f"({st['size'] / (cap * lanes):.1%}), {st['committed']} ever written, "
+        f"{st['inserts_per_s']:.1f} inserts/s since creation",
+        "spec:",
+    ]
+    rows = [["FIELD", "SHAPE", "DTYPE"]]
+    rows += [[f["name"], str(tuple(f["shape"])), str(np.dtype(f["dtype"]))] for f in info["spec"]]
+    out.extend("  " + line for line in _table(rows).splitlines())
+    out.append("lanes:")
+    rows = [["LANE", "COMMITTED", "SIZE", "WRITER", "PID", "EPOCH", "EPISODE", "LAST WRITE"]]
+    for ln in st["per_lane"]:
+        rows.append([
+            str(ln["lane"]), str(ln["committed"]), str(ln["size"]),
+            "alive" if ln["writer_alive"] else "-", _dash(ln["writer_pid"] or None),
+            str(ln["epoch"]), str(ln["episode"]),
+            _dash(ln["last_write_age_s"], lambda a: f"{a:.1f} s ago"),
+        ])
+    out.extend("  " + line for line in _table(rows, right={0, 1, 2, 4, 5, 6}).splitlines())
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Parser and plugins
+# --------------------------------------------------------------------------------------------
+def _entry_points() -> Sequence[Any]:
+    return list(metadata.entry_points(group=PLUGIN_GROUP))
+
+
+def _register_plugins(subparsers: Any) -> dict[str, str]:
+    """Let each plugin add its subcommand; return {command: why it failed} for broken ones."""
+    failed = {}
+    for ep in _entry_points():
+        try:
+            ep.load()(subparsers)
+        except Exception as e:  # a broken plugin must never break the built-in commands
+            if ep.name not in subparsers.choices:
+                failed[ep.name] = f"{type(e).__name__}: {e}"
+    return failed
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The argument parser with built-in and plugin subcommands, and the plugins that failed."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="shmbuf", description="Inspect and clean up shmbuf shared-memory segments."
+    )
+    parser.add_argument("--version", action="version", version=f"shmbuf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list shmbuf segments (alive or leaked)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("gc", help="remove leaked segments (whose owner process died)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these segments")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("inspect", help="header, spec and per-lane stats of one segment")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=1.0,
+                   help="seconds to wait for a segment that is being created (default 1)")
+    p.set_defaults(func=cmd_inspect)
+
+    failed = _register_plugins(sub)
+    return parser, failed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 error, 2 usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, failed = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in failed:
+        print(f"shmbuf: command {command!r} is unavailable: {failed[command]}", file=sys.stderr)
+        return 1
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else 2
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except BrokenPipeError:  # e.g. `shmbuf ls | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ShmbufError, OSError, ValueError) as e:
+        print(f"shmbuf {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

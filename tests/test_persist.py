@@ -1,0 +1,460 @@
+"""Persistence: save/load through a directory of ``.npy`` files, state dicts, and progress.
+
+Rows carry their own logical index (``idx``) and a payload derived from it, so every restored or
+saved row proves where it came from; a writer process writing during a save proves the seqlock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+
+import multiprocess
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import layout as L
+from shmbuf import persist
+from shmbuf._progress import AUTO_THRESHOLD, Progress
+from shmbuf.errors import CheckpointError, LaneBusyError, SpecMismatchError
+
+D = 8  # payload width
+SPEC = shmbuf.Spec(
+    {
+        "idx": ((), "int64"),
+        "lane": ((), "int16"),
+        "obs/camera": ((D,), "float64"),
+        "done": ((), "bool"),
+    }
+)
+
+
+def rows_for(lane: int, indices: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows that encode (lane, index): any mix-up or torn row shows in ``check_rows``."""
+    idx = np.asarray(indices, dtype=np.int64)
+    return {
+        "idx": idx.copy(),
+        "lane": np.full(idx.shape, lane, np.int16),
+        "obs/camera": idx[:, None] * 1000.0 + lane + np.arange(D) / 10.0,
+        "done": idx % 3 == 0,
+    }
+
+
+def check_rows(data: dict[str, np.ndarray], lane: int, first: int, count: int) -> None:
+    """``data`` holds exactly indices [first, first+count) of ``lane``, every field consistent."""
+    expected = rows_for(lane, np.arange(first, first + count))
+    for name in SPEC:
+        np.testing.assert_array_equal(np.asarray(data[name]), expected[name], err_msg=name)
+
+
+def fill(buf: shmbuf.ReplayBuffer, lane: int, n: int, episode_every: int = 0) -> None:
+    """Append n self-checking rows to ``lane`` (ending an episode every ``episode_every``)."""
+    with buf.writer(lane=lane) as w:
+        start = w.committed
+        if not episode_every:
+            w.extend(rows_for(lane, np.arange(start, start + n)))
+            return
+        for i in range(start, start + n):
+            w.add(**{k: v[0] for k, v in rows_for(lane, np.array([i])).items()})
+            if (i + 1) % episode_every == 0:
+                w.end_episode()
+
+
+def lane_state(buf: shmbuf.ReplayBuffer) -> list[tuple[int, int, int, int]]:
+    """(lo, hi, episode, episode_start) of every lane."""
+    win = buf.windows()
+    words = buf._lane_words
+    return [
+        (
+            int(win.lo[k]),
+            int(win.hi[k]),
+            int(words[k, L.LANE_EPISODE, 0]),
+            int(words[k, L.LANE_EPISODE_START, 0]),
+        )
+        for k in range(buf.lanes)
+    ]
+
+
+def contents(buf: shmbuf.ReplayBuffer) -> dict[int, tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Every lane's held rows (via get) and their _meta words."""
+    out = {}
+    C = buf.capacity
+    for k, (lo, hi, _, _) in enumerate(lane_state(buf)):
+        idx = np.arange(lo, hi)
+        out[k] = (buf.get(idx, k), buf._meta[k * C + idx % C].copy())
+    return out
+
+
+def assert_same_contents(a: shmbuf.ReplayBuffer, b: shmbuf.ReplayBuffer) -> None:
+    ca, cb = contents(a), contents(b)
+    for k in ca:
+        for name in SPEC:
+            np.testing.assert_array_equal(ca[k][0][name], cb[k][0][name], f"lane {k}: {name}")
+        np.testing.assert_array_equal(ca[k][1], cb[k][1], f"lane {k}: _meta")
+
+
+@pytest.fixture
+def buf():
+    """3 lanes of 16: lane 0 wrapped (40 rows, episodes of 7), lane 1 partly filled (10), lane 2
+    empty."""
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=3) as b:
+        fill(b, 0, 40, episode_every=7)
+        fill(b, 1, 10)
+        yield b
+
+
+# --------------------------------------------------------------------------------------------
+# save / load
+# --------------------------------------------------------------------------------------------
+def test_round_trip_preserves_rows_indices_and_episode_words(buf, tmp_path):
+    buf.save(tmp_path / "ck")
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck") as loaded:
+        assert (loaded.capacity, loaded.lanes, loaded.spec) == (16, 3, SPEC)
+        expected = [(24, 40, 5, 35), (0, 10, 0, 0), (0, 0, 0, 0)]  # (lo, hi, episode, start)
+        assert lane_state(loaded) == lane_state(buf) == expected
+        assert_same_contents(buf, loaded)
+        check_rows(loaded.get(np.arange(24, 40), 0), 0, 24, 16)
+        check_rows(loaded.get(np.arange(0, 10), 1), 1, 0, 10)
+        # A new writer continues each lane at its saved logical index.
+        fill(loaded, 1, 3)
+        check_rows(loaded.get(np.arange(0, 13), 1), 1, 0, 13)
+
+
+def test_saved_npy_files_open_with_plain_numpy(buf, tmp_path):
+    buf.save(tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["format"] == "shmbuf-checkpoint" and manifest["rows"] == 26
+    files = {f["name"]: f["file"] for f in manifest["fields"]}
+    assert files["obs/camera"] == "002_obs__camera.npy"
+    arrays = {
+        name: np.load(tmp_path / "ck" / file, mmap_mode="r") for name, file in files.items()
+    }
+    lanes = manifest["per_lane"]
+    placed = [(r["first"], r["count"], r["offset"]) for r in lanes]
+    assert placed == [(24, 16, 0), (0, 10, 16), (0, 0, 26)]
+    for r in lanes:
+        rows = {name: a[r["offset"] : r["offset"] + r["count"]] for name, a in arrays.items()}
+        check_rows(rows, r["lane"], r["first"], r["count"])
+    meta = np.load(tmp_path / "ck" / "_meta.npy", mmap_mode="r")
+    assert meta.dtype == np.int64 and meta.shape == (26,)
+    # Lane 0 index i belongs to episode i // 7 at step i % 7.
+    i = np.arange(24, 40)
+    np.testing.assert_array_equal(meta[:16], (i // 7) << 32 | (i % 7))
+    del arrays, meta
+
+
+def test_load_with_smaller_capacity_keeps_each_lanes_newest_rows(buf, tmp_path):
+    buf.save(tmp_path / "ck")
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck", capacity=4) as small:
+        assert lane_state(small) == [(36, 40, 5, 35), (6, 10, 0, 0), (0, 0, 0, 0)]
+        check_rows(small.get(np.arange(36, 40), 0), 0, 36, 4)
+        check_rows(small.get(np.arange(6, 10), 1), 1, 6, 4)
+
+
+def test_load_with_larger_capacity_holds_only_the_saved_rows(buf, tmp_path):
+    """The window starts at the first saved index, not at committed - capacity."""
+    buf.save(tmp_path / "ck")
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck", capacity=1000) as big:
+        assert lane_state(big)[0][:2] == (24, 40)
+        assert len(big) == 26
+        batch = big.sample(2000, rng=0)  # would hit empty slots (and fail) without the fix
+        assert set(batch["idx"][batch["lane"] == 0]) == set(range(24, 40))
+        # A writer that takes lane 0 over fills the empty slots before overwriting saved rows.
+        fill(big, 0, 900)
+        check_rows(big.get(np.arange(24, 940), 0), 0, 24, 916)
+
+
+def test_save_to_an_existing_path_needs_overwrite(buf, tmp_path):
+    path = tmp_path / "ck"
+    buf.save(path)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        buf.save(path)
+    fill(buf, 1, 5)
+    buf.save(path, overwrite=True)
+    with shmbuf.ReplayBuffer.load(path) as loaded:
+        assert lane_state(loaded)[1][:2] == (0, 15)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temp dirs left behind
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="todo.txt"):
+        buf.save(tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes" / "todo.txt").exists()
+
+
+def test_rows_overwritten_during_a_save_are_dropped_oldest_first(tmp_path, monkeypatch):
+    """A writer laps the copy after its first chunk: the rows it overwrote (and everything
+    older) are left out, the rest is saved whole, and the manifest appears only at the end."""
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=64) as b:
+        fill(b, 0, 100)  # window [36, 100)
+        row_bytes = SPEC.row_nbytes + 8
+        monkeypatch.setattr(persist, "CHUNK_BYTES", 16 * row_bytes)  # chunks of 16 rows
+        path = tmp_path / "ck"
+        manifest_seen = []
+        pending = []  # writes to make after the next chunk is copied
+
+        class Intruder(Progress):
+            def update(self, nbytes: int) -> None:
+                super().update(nbytes)
+                manifest_seen.append((path / "manifest.json").exists())
+                while pending:
+                    pending.pop()()
+
+        monkeypatch.setattr(persist, "Progress", Intruder)
+        with b.writer(lane=0) as w:
+            # After chunk [36, 52): indices 100..139 overwrite the slots of 36..75.
+            pending.append(lambda: w.extend(rows_for(0, np.arange(100, 140))))
+            b.save(path)
+        assert manifest_seen and not any(manifest_seen)
+        manifest = json.loads((path / "manifest.json").read_text())
+        (lane,) = manifest["per_lane"]
+        assert (lane["first"], lane["count"], manifest["rows"]) == (76, 24, 24)
+        arrays = {f["name"]: np.load(path / f["file"], mmap_mode="r") for f in manifest["fields"]}
+        check_rows(arrays, 0, 76, 24)
+        del arrays
+        with shmbuf.ReplayBuffer.load(path) as loaded:
+            assert lane_state(loaded)[0][:2] == (76, 100)
+            check_rows(loaded.get(np.arange(76, 100)), 0, 76, 24)
+
+        # state_dict takes the same path: window [76, 140); after chunk [76, 92), indices
+        # 140..179 overwrite the slots of 76..115.
+        with b.writer(lane=0) as w:
+            pending.append(lambda: w.extend(rows_for(0, np.arange(140, 180))))
+            state = b.state_dict()
+        (lane,) = state["per_lane"]
+        assert (lane["first"], lane["count"], lane["offset"]) == (116, 24, 0)
+        check_rows(state["fields"], 0, 116, 24)
+        assert state["meta"].shape == (24,)
+
+
+def check_lane(arrays: dict[str, np.ndarray], meta: np.ndarray, r: dict[str, int]) -> None:
+    """Lane ``r["lane"]`` of a saved layout holds whole rows ``[first, first+count)``; with one
+    writer from index 0 and no episode ends, each row's meta word is its index."""
+    sl = slice(r["offset"], r["offset"] + r["count"])
+    check_rows({k: v[sl] for k, v in arrays.items()}, r["lane"], r["first"], r["count"])
+    np.testing.assert_array_equal(meta[sl], np.arange(r["first"], r["first"] + r["count"]))
+
+
+def _write_forever(name: str, lane: int) -> None:
+    """Child process: append self-checking rows to ``lane`` until killed, in bursts of up to a
+    quarter of the capacity and runs of single adds."""
+    buf = shmbuf.ReplayBuffer.attach(name)
+    rng = np.random.default_rng(lane)
+    with buf.writer(lane=lane) as w:
+        while True:
+            n = int(rng.integers(1, buf.capacity // 4))
+            i = w.committed
+            if n < 8:
+                for j in range(i, i + n):
+                    w.add(**{k: v[0] for k, v in rows_for(lane, np.array([j])).items()})
+            else:
+                w.extend(rows_for(lane, np.arange(i, i + n)))
+            time.sleep(0.0002)  # an actor stepping its envs, not a tight loop
+
+
+def test_save_while_writer_processes_write(tmp_path):
+    """Two spawned writers append all the time while the buffer is saved and snapshotted again
+    and again: every saved row is whole and in place, and each lane's rows are contiguous."""
+    ctx = multiprocess.get_context("spawn")
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=4096, lanes=2) as b:
+        procs = [ctx.Process(target=_write_forever, args=(b.name, k), daemon=True) for k in (0, 1)]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + 60
+            while (b.committed() < 3 * b.capacity).any():
+                assert time.monotonic() < deadline, "writers did not start"
+                assert all(p.is_alive() for p in procs), "a writer died"
+                time.sleep(0.01)
+            with pytest.raises(LaneBusyError):
+                b.load_state_dict(b.state_dict())
+            saved_rows = rounds = 0
+            deadline = time.monotonic() + 30
+            # At least 10 rounds; more while a busy machine starves the copy of CPU time.
+            while rounds < 10 or (saved_rows <= 2 * b.capacity and time.monotonic() < deadline):
+                rounds += 1
+                path = tmp_path / f"ck{rounds}"
+                b.save(path)
+                manifest = json.loads((path / "manifest.json").read_text())
+                arrays = {f["name"]: np.load(path / f["file"], mmap_mode="r")
+                          for f in manifest["fields"]}
+                meta = np.load(path / "_meta.npy", mmap_mode="r")
+                for r in manifest["per_lane"]:
+                    assert 0 <= r["count"] <= b.capacity
+                    saved_rows += r["count"]
+                    check_lane(arrays, meta, r)
+                del arrays, meta
+                state = b.state_dict()
+                for r in state["per_lane"]:
+                    check_lane(state["fields"], state["meta"], r)
+            assert all(p.is_alive() for p in procs), "a writer died during the saves"
+            print(f"saved {saved_rows} of {rounds * 2 * b.capacity} rows in {rounds} rounds")
+            assert saved_rows > 2 * b.capacity  # the copy outruns the writers most of the time
+        finally:
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    p.kill()
+                p.join(10)
+        with shmbuf.ReplayBuffer.load(tmp_path / f"ck{rounds}") as loaded:
+            for k, (lo, hi, _, _) in enumerate(lane_state(loaded)):
+                check_rows(loaded.get(np.arange(lo, hi), k), k, lo, hi - lo)
+
+
+# --------------------------------------------------------------------------------------------
+# Broken checkpoints
+# --------------------------------------------------------------------------------------------
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture
+def saved(buf, tmp_path):
+    path = tmp_path / "ck"
+    buf.save(path)
+    return path
+
+
+def _load_fails(path, match: str) -> CheckpointError:
+    before = _shm()
+    with pytest.raises(CheckpointError, match=match) as info:
+        shmbuf.ReplayBuffer.load(path)
+    assert _shm() <= before, "a failed load left a segment behind"
+    return info.value
+
+
+def test_truncated_npy_is_a_checkpoint_error(saved):
+    f = saved / "002_obs__camera.npy"
+    os.truncate(f, f.stat().st_size - 100)
+    err = _load_fails(saved, "truncated")
+    assert "002_obs__camera.npy" in str(err) and "field 'obs/camera'" in str(err)
+    assert "save the buffer again" in str(err)
+
+
+def test_missing_manifest_is_an_incomplete_save(saved):
+    (saved / "manifest.json").unlink()
+    err = _load_fails(saved, "incomplete save")
+    assert "5 .npy file(s)" in str(err)
+
+
+def test_corrupt_manifest_is_a_checkpoint_error(saved):
+    (saved / "manifest.json").write_text('{"format": "shmbuf-checkpoint", "version": 1, ')
+    _load_fails(saved, "corrupt")
+
+
+def test_missing_npy_is_a_checkpoint_error(saved):
+    (saved / "000_idx.npy").unlink()
+    _load_fails(saved, "000_idx.npy: missing")
+
+
+def test_npy_with_the_wrong_dtype_is_a_checkpoint_error(saved):
+    np.save(saved / "000_idx.npy", np.zeros(26, np.int32))
+    err = _load_fails(saved, "expected field 'idx' as shape \\(26,\\) int64")
+    assert "found shape (26,) int32" in str(err)
+
+
+def test_manifest_that_disagrees_with_itself_is_a_checkpoint_error(saved):
+    doc = json.loads((saved / "manifest.json").read_text())
+    doc["per_lane"][1]["count"] = 9
+    (saved / "manifest.json").write_text(json.dumps(doc))
+    _load_fails(saved, "lane 2's entry")
+
+
+def test_failure_after_the_buffer_exists_closes_it(saved, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(shmbuf.ReplayBuffer, "_restore_lane", boom)
+    before = _shm()
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        shmbuf.ReplayBuffer.load(saved)
+    assert _shm() <= before
+
+
+# --------------------------------------------------------------------------------------------
+# state_dict
+# --------------------------------------------------------------------------------------------
+def test_state_dict_round_trips_through_pickle(buf):
+    state = pickle.loads(pickle.dumps(buf.state_dict()))
+    assert all(type(v) is np.ndarray for v in state["fields"].values())
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=3) as other:
+        fill(other, 2, 5)  # replaced entirely
+        other.load_state_dict(state)
+        assert lane_state(other) == lane_state(buf)
+        assert_same_contents(buf, other)
+
+
+def test_load_state_dict_into_a_smaller_buffer_keeps_newest(buf):
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=5, lanes=3) as small:
+        small.load_state_dict(buf.state_dict())
+        assert lane_state(small) == [(35, 40, 5, 35), (5, 10, 0, 0), (0, 0, 0, 0)]
+        check_rows(small.get(np.arange(35, 40), 0), 0, 35, 5)
+
+
+def test_load_state_dict_rejects_another_spec_or_lane_count(buf):
+    state = buf.state_dict()
+    other_spec = shmbuf.Spec(idx=((), "int64"))
+    with shmbuf.ReplayBuffer.create(other_spec, capacity=16, lanes=3) as other:
+        with pytest.raises(SpecMismatchError, match="spec"):
+            other.load_state_dict(state)
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=2) as other:
+        with pytest.raises(SpecMismatchError, match="lanes=3"):
+            other.load_state_dict(state)
+    state["fields"]["idx"] = state["fields"]["idx"].astype(np.int32)
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=3) as other:
+        with pytest.raises(CheckpointError, match="field 'idx'"):
+            other.load_state_dict(state)
+
+
+def test_load_state_dict_with_a_live_writer_changes_nothing(buf):
+    state = buf.state_dict()
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=3) as other:
+        fill(other, 0, 20)
+        before = other.state_dict()
+        with other.writer(lane=2), pytest.raises(LaneBusyError, match="lane 2"):
+            other.load_state_dict(state)
+        after = other.state_dict()
+        assert after["per_lane"] == before["per_lane"]
+        for name in SPEC:
+            np.testing.assert_array_equal(after["fields"][name], before["fields"][name])
+        np.testing.assert_array_equal(after["meta"], before["meta"])
+        other.load_state_dict(state)  # the lanes are free again
+        assert lane_state(other) == lane_state(buf)
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------
+def test_progress_falls_back_to_a_plain_line_without_tqdm(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    with Progress(1000, "saving x", enabled=True) as bar:
+        for _ in range(4):
+            bar.update(250)
+    err = capsys.readouterr().err
+    assert "\rsaving x:   0%" in err and "\rsaving x: 100%" in err and err.endswith("\n")
+
+
+def test_progress_uses_tqdm_when_installed(capsys):
+    pytest.importorskip("tqdm")
+    with Progress(1000, "loading y", enabled=True) as bar:
+        bar.update(1000)
+    assert "loading y: 100%" in capsys.readouterr().err
+
+
+def test_progress_is_silent_for_small_jobs_unless_forced(capsys):
+    with Progress(AUTO_THRESHOLD, "small") as bar:
+        bar.update(AUTO_THRESHOLD)
+    assert not bar.shown and capsys.readouterr().err == ""
+    with Progress(10, "off", enabled=False) as bar:
+        bar.update(10)
+    assert capsys.readouterr().err == ""
+
+
+def test_save_and_load_show_progress_when_asked(buf, tmp_path, capsys):
+    buf.save(tmp_path / "ck", progress=True)
+    assert "saving" in capsys.readouterr().err
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck", progress=True):
+        pass
+    assert "loading ck" in capsys.readouterr().err
