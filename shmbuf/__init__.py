@@ -28,6 +28,7 @@ from .errors import (
     WorkerError,
 )
 from .limiter import RateLimit
+from .recording import RecordEpisodes, iter_episodes, scan_episodes
 from .spec import Field, Spec
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "LaneBusyError",
     "RateLimit",
     "RateLimitTimeout",
+    "RecordEpisodes",
     "ReplayBuffer",
     "SamplingError",
     "SegmentExistsError",
@@ -57,4 +59,6 @@ __all__ = [
     "WorkerError",
     "Writer",
     "__version__",
+    "iter_episodes",
+    "scan_episodes",
 ]

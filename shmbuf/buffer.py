@@ -26,10 +26,14 @@ from .errors import (
     SpecMismatchError,
     StaleIndexError,
 )
+from ._util import _positive_int, _ring_segments, _timeout  # noqa: F401 (re-exported)
+from .episodes import EpisodeTable
 from .limiter import LimiterBlock, RateLimit
 from .sampling import Draw, Windows, draw_uniform
+from .sampling.plan import Compiled, Plan, compile_plan
 from .segment import Lease, Segment
 from .spec import RowChecker, Spec
+from .writer import Writer
 
 RECYCLE_MIN_BYTES = 64 * 1024  # sample() recycles output arrays at least this large ...
 RECYCLE_KEEP = 4  # ... keeping up to this many per (field, batch size)
@@ -75,11 +79,17 @@ class ReplayBuffer:
         try:
             self._spec = Spec.from_json(doc["spec"])
             capacity, lanes = int(doc["capacity"]), int(doc["lanes"])
+            ep_doc = doc.get("episode_spec") or []
+            self._episode_spec = Spec.from_json(ep_doc) if ep_doc else None
+            episode_capacity = int(doc.get("episode_capacity", 0))
+            self.derived_next_obs = doc.get("next_obs", "stored") == "derived"
         except (KeyError, TypeError, ValueError) as e:
             segment.close()
             raise SpecMismatchError(f"segment {segment.name!r} has a malformed layout: {e}") from None
         json_len = len(L.encode_layout(doc))
-        self._layout = L.buffer_layout(_field_tuples(self._spec), capacity, lanes, json_len)
+        self._layout = L.buffer_layout(
+            _field_tuples(self._spec), capacity, lanes, json_len,
+            _field_tuples(self._episode_spec) if self._episode_spec else [], episode_capacity)
         if self._layout.total_size != segment.header.total_size:
             segment.close()
             raise SpecMismatchError(
@@ -88,9 +98,12 @@ class ReplayBuffer:
             )
         self._seg = segment
         self._closed = False
-        self._writers: weakref.WeakSet[Writer] = weakref.WeakSet()
+        self._writers: weakref.WeakSet[Any] = weakref.WeakSet()  # Writers, VectorWriters
         self._default_rng = np.random.default_rng()
         self._checker: RowChecker | None = None
+        self._compiled: dict[Any, Compiled] = {}
+        self._readers: dict[int, Any] = {}
+        self._store_writer: Writer | None = None
         self._recycled: dict[tuple[str, int], list[np.ndarray]] = {}
         self._zero_lanes: dict[int, np.ndarray] = {}
         self._lane0_committed = self._layout.lane_word(0, L.LANE_COMMITTED) // 8
@@ -115,11 +128,23 @@ class ReplayBuffer:
             for c in lay.columns
         }
         self._limiter = LimiterBlock(self._q, mm, lay)
+        self._episodes = None
+        if lay.episode_capacity:
+            ep_cols = {
+                c.name: np.frombuffer(
+                    mm, c.dtype, count=int(np.prod(c.shape, dtype=np.int64)), offset=c.offset
+                ).reshape(c.shape)
+                for c in lay.episode_columns
+            }
+            self._episodes = EpisodeTable(ep_cols, lay.episode_capacity, lay.lanes,
+                                          self._episode_spec)
 
     def _drop_views(self) -> None:
         self._lane_words = self._committed_v = self._reserved_v = None  # type: ignore[assignment]
         self._stamps = self._meta = None  # type: ignore[assignment]
         self._cols = {}
+        self._episodes = None
+        self._readers = {}
         self._limiter = None  # type: ignore[assignment]
         if self._q is not None:
             self._q.release()
@@ -133,14 +158,27 @@ class ReplayBuffer:
         capacity: int,
         lanes: int = 1,
         name: str | None = None,
+        *,
+        next_obs: str = "stored",
+        episode_spec: Spec | Mapping[str, Any] | None = None,
+        episode_capacity: int | None = None,
     ) -> ReplayBuffer:
         """Create a buffer in a new segment; this process owns it.
 
         Args:
             spec: the fields of a transition (a ``Spec`` or a mapping accepted by ``Spec``).
-            capacity: transitions per lane; the buffer holds ``capacity * lanes`` in all.
+            capacity: rows per lane; the buffer holds ``capacity * lanes`` in all.
             lanes: independent rings, one writer each (e.g. one per actor or per env).
             name: segment name (``/dev/shm/<name>``); a unique ``shmbuf-buf-...`` by default.
+            next_obs: "stored" (the spec's own ``next_obs`` field, if any) or "derived": store
+                ``obs`` once and read ``next_obs`` from the next step of the same episode, the
+                episode's true final observation being kept in one extra row per episode
+                (halves the memory of image observations). The spec must have ``obs`` and no
+                ``next_obs``; writers still pass ``next_obs`` to ``add``.
+            episode_spec: per-episode fields (return, seed, ...) that ``end_episode(**data)``
+                stores, readable by episode id.
+            episode_capacity: episode records kept per lane (default ``capacity // 8``, at
+                least 64): older records are overwritten.
 
         Raises:
             CapacityError: /dev/shm has too little room (the message says how to give it more).
@@ -150,11 +188,28 @@ class ReplayBuffer:
         capacity, lanes = _positive_int("capacity", capacity), _positive_int("lanes", lanes)
         if lanes > L.MAX_LANES:
             raise ValueError(f"lanes must be <= {L.MAX_LANES}, got {lanes}")
-        doc = {"kind": "buffer", "spec": spec.to_json(), "capacity": capacity, "lanes": lanes}
+        if next_obs not in ("stored", "derived"):
+            raise ValueError(f"next_obs must be 'stored' or 'derived', got {next_obs!r}")
+        if next_obs == "derived" and ("obs" not in spec or "next_obs" in spec):
+            raise SpecMismatchError(
+                f"next_obs='derived' stores 'obs' only and derives 'next_obs' from the next "
+                f"step: the spec needs an 'obs' field and no 'next_obs' field; it has "
+                f"{', '.join(spec)}"
+            )
+        if episode_spec is not None and not isinstance(episode_spec, Spec):
+            episode_spec = Spec(episode_spec)
+        if episode_capacity is None:
+            episode_capacity = max(64, capacity // 8)
+        episode_capacity = _positive_int("episode_capacity", episode_capacity)
+        doc = {"kind": "buffer", "spec": spec.to_json(), "capacity": capacity, "lanes": lanes,
+               "next_obs": next_obs, "episode_capacity": episode_capacity,
+               "episode_spec": episode_spec.to_json() if episode_spec else []}
         fields = _field_tuples(spec)
+        ep_fields = _field_tuples(episode_spec) if episode_spec else []
 
         def size_of(json_len: int) -> int:
-            return L.buffer_layout(fields, capacity, lanes, json_len).total_size
+            return L.buffer_layout(fields, capacity, lanes, json_len, ep_fields,
+                                   episode_capacity).total_size
 
         return cls(Segment.create(name, L.KIND_BUFFER, doc, size_of))
 
@@ -248,11 +303,17 @@ class ReplayBuffer:
         lane: int | None = None,
         timeout: float = 5.0,
         insert_timeout: float = DEFAULT_INSERT_TIMEOUT,
-    ) -> Writer:
+        *,
+        num_envs: int | None = None,
+        lanes: list[int] | None = None,
+    ) -> Any:
         """Take a lane for writing: ``lane``, or the first free one.
 
         A lane whose writer died (even by SIGKILL) is free again at once and is taken over: the
         new writer continues at the lane's ``committed`` index and starts a new episode.
+
+        With ``num_envs=N`` returns a ``VectorWriter`` over N lanes (``lanes``, or free ones):
+        ``add`` takes ``[N, ...]`` arrays, one row per environment, each to its own lane.
 
         Args:
             lane: the lane to take, or None for any free lane.
@@ -263,6 +324,8 @@ class ReplayBuffer:
             LaneBusyError: no lane became free in time.
         """
         self._check_open()
+        if num_envs is not None or lanes is not None:
+            return self._vector_writer(num_envs, lanes, timeout, insert_timeout)
         candidates = [self._lane_index(lane)] if lane is not None else self._lane_order()
         lease = self._seg.lease()
         deadline = time.monotonic() + _timeout("timeout", timeout)
@@ -284,6 +347,37 @@ class ReplayBuffer:
                 )
             time.sleep(0.01)
 
+    def _vector_writer(self, num_envs: int | None, lanes: list[int] | None, timeout: float,
+                       insert_timeout: float) -> Any:
+        from .vector import VectorWriter
+
+        if lanes is None:
+            num_envs = _positive_int("num_envs", num_envs)
+            if num_envs > self.lanes:
+                raise ValueError(
+                    f"num_envs={num_envs} needs as many lanes, the buffer has {self.lanes}. Fix: "
+                    f"create it with lanes >= num_envs"
+                )
+        elif num_envs is not None and num_envs != len(lanes):
+            raise ValueError(f"num_envs={num_envs} but {len(lanes)} lanes were given")
+        writers: list[Writer] = []
+        try:
+            if lanes is not None:
+                for k in lanes:
+                    writers.append(self.writer(lane=k, timeout=timeout,
+                                               insert_timeout=insert_timeout))
+            else:
+                for _ in range(num_envs):
+                    writers.append(self.writer(timeout=timeout, insert_timeout=insert_timeout))
+        except BaseException:
+            for w in writers:
+                w.close()
+            raise
+        vw = VectorWriter(self, sorted(writers, key=lambda w: w.lane) if lanes is None
+                          else writers)
+        self._writers.add(vw)  # closed with the buffer, like plain writers
+        return vw
+
     def _lane_order(self) -> list[int]:
         # Start the scan at a pid-dependent lane so that concurrent actors rarely collide.
         start = os.getpid() % self.lanes
@@ -296,9 +390,11 @@ class ReplayBuffer:
 
     # -- reading -------------------------------------------------------------------------------------
     def _gather(
-        self, lanes: np.ndarray | None, indices: np.ndarray, out: Mapping[str, np.ndarray]
+        self, lanes: np.ndarray | None, indices: np.ndarray, out: Mapping[str, np.ndarray],
+        meta_out: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Copy rows into ``out``; return which rows passed the seqlock check.
+        """Copy rows (and their ``_meta`` words into ``meta_out``) into ``out``; return which
+        rows passed the seqlock check.
 
         A row is good if its stamp said "holds index i" both before and after the copy.
         """
@@ -313,6 +409,8 @@ class ReplayBuffer:
         cols = self._cols
         for name, dst in out.items():
             np.take(cols[name], slots, axis=0, out=dst, mode="clip")
+        if meta_out is not None:
+            np.take(self._meta, slots, out=meta_out, mode="clip")
         after = stamps.take(slots)
         ok = before == expected
         ok &= after == expected
@@ -338,24 +436,29 @@ class ReplayBuffer:
         out: Mapping[str, np.ndarray],
         rng: RngLike = None,
         *,
+        plan: Compiled | None = None,
         sampler: Any = draw_uniform,
         max_retries: int = MAX_RETRIES,
     ) -> Draw:
-        """Draw a batch into preallocated arrays (``out[field]`` of shape ``[B, *shape]``).
+        """Draw a batch into preallocated arrays.
 
-        Only the fields named in ``out`` are gathered. Rows whose stamp changed under the copy
-        are redrawn (bounded by ``max_retries`` rounds). Returns the (lanes, indices) delivered.
+        Without ``plan``: uniform transitions, ``out[field]`` of shape ``[B, *shape]`` for the
+        fields to read. With a compiled plan (``buf.compile(...)``): every array of
+        ``plan.outputs``. Rows whose stamp changed under the copy are redrawn (bounded by
+        ``max_retries`` rounds). Returns the (lanes, indices) delivered.
 
         Raises:
             EmptyBufferError: nothing to sample.
             SamplingError: rows kept being overwritten while read (capacity too small for the
-                write rate).
+                write rate), or the plan finds no usable rows.
         """
         self._check_open()
         if not out:
             raise ValueError("sample_into() needs at least one output array")
-        batch = next(iter(out.values())).shape[0]
         rng = _as_rng(rng, self._default_rng)
+        if plan is not None and not (plan.plan.is_plain and not plan.derived_next_obs):
+            return self._reader(plan).read_into(out, rng, max_retries)
+        batch = next(iter(out.values())).shape[0]
         if sampler is draw_uniform and self.lanes == 1:
             draw = self._draw_uniform_one_lane(batch, rng)
         else:
@@ -380,12 +483,33 @@ class ReplayBuffer:
             f"(now {self.capacity} per lane) or slower writers"
         )
 
+    def compile(self, plan: Plan | None = None, fields: list[str] | None = None,
+                **plan_kwargs: Any) -> Compiled:
+        """Check a sampling plan (or ``Plan(**plan_kwargs)``) against this buffer; the result
+        names the arrays a batch holds (``.outputs``) and is what ``sample_into(plan=)`` takes."""
+        plan = Plan(**plan_kwargs) if plan is None else plan
+        key = (plan, None if fields is None else tuple(fields))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = compile_plan(
+                plan, self._spec, self.derived_next_obs, fields)
+        return compiled
+
+    def _reader(self, compiled: Compiled) -> Any:
+        from .reader import PlanReader
+
+        reader = self._readers.get(id(compiled))
+        if reader is None or reader.c is not compiled:
+            reader = self._readers[id(compiled)] = PlanReader(self, compiled)
+        return reader
+
     def sample(
         self,
         batch_size: int,
         rng: RngLike = None,
         *,
         fields: list[str] | None = None,
+        **plan: Any,
     ) -> dict[str, np.ndarray]:
         """Sample ``batch_size`` transitions uniformly (with replacement) into new arrays.
 
@@ -398,30 +522,39 @@ class ReplayBuffer:
             batch_size: rows to draw.
             rng: a ``numpy.random.Generator`` (advanced in place), a seed, or None.
             fields: a subset of fields to read (all by default).
+            **plan: episode-aware sampling, as ``shmbuf.sampling.Plan`` takes it:
+                ``sequence_length``, ``cross_episodes``, ``frame_stack``, ``frame_lookahead``,
+                ``stack_fields``, ``n_step``, ``gamma`` (and the field names they use).
 
         Returns:
-            field name -> array of shape ``[batch_size, *shape]``, every row checked whole.
+            field name -> array of shape ``[batch_size, *shape]`` (``[batch_size, T, ...]`` for
+            sequences), every row checked whole; plans add ``mask`` / ``<field>_mask`` /
+            ``discount`` / ``steps`` arrays.
         """
         self._check_open()
         batch_size = _positive_int("batch_size", batch_size)
+        if plan or self.derived_next_obs:
+            compiled = self.compile(Plan(**plan), fields)
+            out = {n: self._output_array(n, (batch_size, *s), d) for n, s, d in compiled.outputs}
+            self.sample_into(out, rng, plan=compiled)
+            return out
         names = list(self._spec) if fields is None else self._check_fields(fields)
-        out = {n: self._output_array(n, batch_size) for n in names}
+        out = {n: self._output_array(n, (batch_size, *self._spec[n].shape), self._spec[n].dtype)
+               for n in names}
         self.sample_into(out, rng)
         return out
 
-    def _output_array(self, name: str, rows: int) -> np.ndarray:
+    def _output_array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An array nobody else references: a recycled one if one is free, else a new one."""
-        field = self._spec[name]
-        shape = (rows, *field.shape)
-        if rows * field.row_nbytes < RECYCLE_MIN_BYTES:
-            return np.empty(shape, field.dtype)
-        free_list = self._recycled.setdefault((name, rows), [])
+        if math.prod(shape) * dtype.itemsize < RECYCLE_MIN_BYTES:
+            return np.empty(shape, dtype)
+        free_list = self._recycled.setdefault((name, shape, dtype.str), [])
         for arr in free_list:
             # References: the free list, this loop's variable, getrefcount's argument. Any
             # more (the caller's dict or variable, a view, a tensor) and it is still in use.
             if sys.getrefcount(arr) == 3:
                 return arr
-        arr = np.empty(shape, field.dtype)
+        arr = np.empty(shape, dtype)
         if len(free_list) < RECYCLE_KEEP:
             free_list.append(arr)
         return arr
@@ -434,8 +567,13 @@ class ReplayBuffer:
             )
         return list(fields)
 
-    def get(self, indices: Any, lanes: Any = 0) -> dict[str, np.ndarray]:
-        """Read transitions by logical index (as in ``Batch.indices``) of ``lanes``.
+    def get(self, indices: Any, lanes: Any = 0, *, with_episode: bool = False
+            ) -> dict[str, np.ndarray]:
+        """Read rows by logical index (as in ``Batch.indices``) of ``lanes``.
+
+        With ``with_episode=True`` the result also has ``_episode`` (episode id in the lane),
+        ``_step`` (step in the episode) and ``_final`` (the row is an episode's final
+        observation, in derived-next_obs buffers).
 
         Raises:
             StaleIndexError: an index is not held now (overwritten, or not yet written).
@@ -448,8 +586,9 @@ class ReplayBuffer:
         win = self.windows()
         held = (idx >= win.lo[ln]) & (idx < win.hi[ln])
         out = {n: np.empty((idx.size, *f.shape), f.dtype) for n, f in self._spec.items()}
+        meta = np.empty(idx.size, np.int64)
         if held.all():
-            held = self._gather(ln, idx, out)
+            held = self._gather(ln, idx, out, meta_out=meta)
         if not held.all():
             b = int(np.flatnonzero(~held)[0])
             k = int(ln[b])
@@ -457,7 +596,123 @@ class ReplayBuffer:
                 f"index {int(idx[b])} of lane {k} is not held: the lane holds "
                 f"[{int(win.lo[k])}, {int(win.hi[k])}) now"
             )
+        if with_episode:
+            out["_episode"] = meta >> L.STEP_BITS
+            out["_step"] = meta & L.STEP_MASK
+            out["_final"] = (meta & L.FLAG_FINAL) != 0
         return out
+
+    # -- episodes ----------------------------------------------------------------------------------
+    @property
+    def episode_spec(self) -> Spec | None:
+        return self._episode_spec
+
+    def episode(self, episode_id: int, lane: int = 0) -> dict[str, Any]:
+        """The record of a finished episode of ``lane``: ``start`` (logical index of its first
+        step), ``length``, ``truncated`` and the episode-spec fields.
+
+        Raises:
+            StaleIndexError: not finished yet, or older than the lane's ``episode_capacity``.
+        """
+        self._check_open()
+        return self._episodes.get(int(episode_id), self._lane_index(lane))
+
+    def episodes(self, lane: int | None = None) -> dict[str, np.ndarray]:
+        """Every episode record held now (one lane, or all), as arrays ordered by lane, id."""
+        self._check_open()
+        return self._episodes.held(None if lane is None else self._lane_index(lane))
+
+    def _no_episode_spec(self, data: Mapping[str, Any]) -> None:
+        raise SpecMismatchError(
+            f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "
+            f"episode spec. Fix: ReplayBuffer.create(..., episode_spec=Spec(...))"
+        )
+
+    def _input_checker(self) -> RowChecker:
+        """Validates what writers are given: the spec, plus ``next_obs`` (last) if derived."""
+        if self._checker is None:
+            spec = self._spec
+            if self.derived_next_obs:
+                obs = spec["obs"]
+                spec = Spec({**{n: (f.shape, f.dtype) for n, f in spec.items()},
+                             "next_obs": (obs.shape, obs.dtype)})
+            self._checker = RowChecker(spec)
+        return self._checker
+
+    # -- familiar surfaces (imitation's Buffer) -------------------------------------------------------
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any], capacity: int | None = None,
+                  truncate_ok: bool = False, **create_kwargs: Any) -> ReplayBuffer:
+        """A new one-lane buffer holding ``data`` (field -> ``[n, ...]``), dtypes and shapes
+        inferred. ``capacity`` defaults to n (full); with fewer slots than rows, only the last
+        ``capacity`` rows are kept if ``truncate_ok``, else ``ValueError``.
+
+        Raises:
+            ValueError: ``data`` is empty, its arrays differ in length, or it does not fit.
+        """
+        arrays = {k: np.asarray(v) for k, v in data.items()}
+        n = _check_data(arrays)
+        capacity = n if capacity is None else _positive_int("capacity", capacity)
+        if n > capacity and not truncate_ok:
+            raise ValueError(
+                f"data has {n} rows but capacity is {capacity}: pass truncate_ok=True to keep "
+                f"the last {capacity}, or a larger capacity"
+            )
+        spec = Spec({k: (v.shape[1:], v.dtype) for k, v in arrays.items()})
+        buf = cls.create(spec, capacity, lanes=1, **create_kwargs)
+        try:
+            buf.store(arrays, truncate_ok=truncate_ok)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def store(self, data: Mapping[str, Any], truncate_ok: bool = False) -> None:
+        """Append rows (field -> ``[n, ...]``) to lane 0 in FIFO order, as imitation's
+        ``Buffer.store``. Keeps an internal writer on lane 0 until ``close()``.
+
+        Raises:
+            ValueError: ``data`` is empty, its arrays differ in length, or n > capacity without
+                ``truncate_ok`` (then only the last ``capacity`` rows are stored).
+        """
+        self._check_open()
+        n = _check_data(data)
+        if n > self.capacity and not truncate_ok:
+            raise ValueError(
+                f"{n} rows exceed the capacity {self.capacity}: pass truncate_ok=True to store "
+                f"only the last {self.capacity}"
+            )
+        if self._store_writer is None or self._store_writer.closed:
+            self._store_writer = self.writer(lane=0)
+        self._store_writer.extend(data)
+
+    def size(self) -> int:
+        """Rows readable now (imitation's ``Buffer.size()``); same as ``len(buf)``."""
+        return len(self)
+
+    def clear(self, timeout: float = 5.0) -> None:
+        """Empty every lane. Logical indices keep growing (old ones are never reused), so
+        indices and priorities taken before are simply stale afterwards.
+
+        Raises:
+            LaneBusyError: a lane keeps a live writer of another handle for ``timeout`` s.
+        """
+        self._check_open()
+        if self._store_writer is not None:
+            self._store_writer.close()
+            self._store_writer = None
+        lease = self._lock_all_lanes(timeout)
+        try:
+            q, lay, C = self._q, self._layout, self.capacity
+            for k in range(self.lanes):
+                committed = q[lay.lane_word(k, L.LANE_COMMITTED) // 8]
+                # An empty window: lo = reserved - C = committed. A writer's next row is the
+                # first readable one again.
+                q[lay.lane_word(k, L.LANE_RESERVED) // 8] = committed + C
+        finally:
+            lease.close()
+
+    reset = clear
 
     def column(self, name: str) -> np.ndarray:
         """A read-only view of a field's whole column, ``[lanes * capacity, *shape]``.
@@ -486,8 +741,7 @@ class ReplayBuffer:
                     "lane": k,
                     "committed": int(win.hi[k]),
                     "size": int(win.hi[k] - win.lo[k]),
-                    "writer_alive": self._seg.probe(L.lock_lane(k))
-                    or any(w.lane == k and not w.closed for w in self._writers),
+                    "writer_alive": self._seg.probe(L.lock_lane(k)),  # this process's too
                     "writer_pid": q[lay.lane_word(k, L.LANE_WRITER_PID) // 8],
                     "epoch": q[lay.lane_word(k, L.LANE_EPOCH) // 8],
                     "episode": q[lay.lane_word(k, L.LANE_EPISODE) // 8],
@@ -562,9 +816,13 @@ class ReplayBuffer:
         load_state_dict(self, state)
 
     def _lock_all_lanes(self, timeout: float = 0.0) -> Lease:
-        """Take every lane's writer lease (for restores); raises LaneBusyError if one is busy."""
+        """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;
+        raises LaneBusyError if one stays busy."""
         lease = self._seg.lease()
+        deadline = time.monotonic() + timeout
         for k in range(self.lanes):
+            while not lease.try_lock(L.lock_lane(k)) and time.monotonic() < deadline:
+                time.sleep(0.01)
             if not lease.try_lock(L.lock_lane(k)):
                 lease.close()
                 raise LaneBusyError(
@@ -640,275 +898,6 @@ class ReplayBuffer:
             seg.unlink()
 
 
-class Writer:
-    """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
-
-    Concurrency: this writer is the only process storing its lane's words, slots and rows. For
-    index i in slot s it stores ``reserved``, ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2``
-    and then ``committed = i+1``; readers never wait for it and it never waits for them (only,
-    optionally, for the rate limiter). A writer belongs to the process that opened it: a forked
-    child's copy is closed.
-
-    Example:
-        >>> with buf.writer() as w:
-        ...     w.add(obs=o, action=a, reward=r)
-        ...     w.extend({"obs": obs_batch, "action": act_batch, "reward": rew_batch})
-        ...     w.end_episode()
-    """
-
-    _live: weakref.WeakSet[Writer] = weakref.WeakSet()
-
-    def __init__(self, buf: ReplayBuffer, lane: int, lease: Lease, insert_timeout: float) -> None:
-        self._buf = buf
-        self.lane = lane
-        self._lease = lease
-        self.timeout = _timeout("insert_timeout", insert_timeout)
-        self._closed_reason: str | None = None
-        lay, q = buf._layout, buf._q
-        C = lay.capacity
-        self._C = C
-        self._q = q
-        w = lambda word: lay.lane_word(lane, word) // 8  # noqa: E731
-        self._w_committed, self._w_reserved = w(L.LANE_COMMITTED), w(L.LANE_RESERVED)
-        self._w_episode, self._w_episode_start = w(L.LANE_EPISODE), w(L.LANE_EPISODE_START)
-        self._w_heartbeat = w(L.LANE_HEARTBEAT)
-        self._stamp0 = lay.stamp(lane * C) // 8
-        self._meta0 = (lay.meta.offset // 8) + lane * C
-        base = lane * C
-        self._cols = [buf._cols[name][base : base + C] for name in buf._spec]
-        self._stamps = buf._stamps[base : base + C]
-        self._meta = buf._meta[base : base + C]
-        if buf._checker is None:
-            buf._checker = RowChecker(buf._spec)
-        self._check_row = buf._checker.check_row
-        self._check_batch = buf._checker.check_batch
-        self._limiter = buf._limiter
-        self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
-        self._k0 = np.zeros((), np.int64)  # 0-d operands: ufuncs take them faster than ints
-        self._one = np.ones((), np.int64)
-
-        # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
-        committed, reserved = q[self._w_committed], q[self._w_reserved]
-        if reserved > committed + C:
-            # The last writer died inside an extend() of more rows than the lane holds: every
-            # slot was being rewritten, so nothing below `committed` survives, but the rows we
-            # write from `committed` on are whole. Readers' window then starts at `committed`
-            # instead of staying empty until we pass the dead writer's claim.
-            reserved = committed + C
-            q[self._w_reserved] = reserved
-        self._next = committed
-        self._reserved = max(reserved, committed)
-        q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
-        q[w(L.LANE_WRITER_PID)] = os.getpid()
-        episode, start = q[self._w_episode], q[self._w_episode_start]
-        if committed > start:  # the previous writer left an episode open: start a new one
-            episode += 1
-            start = committed
-            q[self._w_episode_start] = start
-            q[self._w_episode] = episode
-        self.episode = episode
-        self._step = committed - start
-        self._episode_bits = episode << L.STEP_BITS
-        self._room_until = self._next  # check the rate limiter on the first insert
-        Writer._live.add(self)
-
-    # -- state -----------------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed_reason is not None
-
-    @property
-    def committed(self) -> int:
-        """Transitions this lane has published (the next add gets this logical index)."""
-        return self._next
-
-    @property
-    def step(self) -> int:
-        """Steps in the current episode so far."""
-        return self._step
-
-    def _raise_closed(self) -> None:
-        raise ClosedError(f"writer of lane {self.lane} is closed ({self._closed_reason})")
-
-    # -- hot path ----------------------------------------------------------------------------------------
-    def add(self, **fields: Any) -> int:
-        """Append one transition; returns its logical index in the lane.
-
-        Every field of the spec must be given. The whole transition is validated before
-        anything is written; a bad one raises ``SpecMismatchError`` and changes nothing.
-        May wait up to ``self.timeout`` seconds on the rate limiter (``RateLimitTimeout``).
-        """
-        if self._closed_reason is not None:
-            self._raise_closed()
-        values = self._check_row(fields)
-        i = self._next
-        if i >= self._room_until:
-            self._make_room(1, self.timeout)
-        s = i % self._C
-        q = self._q
-        if i >= self._reserved:
-            self._reserved = i + 1
-            q[self._w_reserved] = i + 1
-        stamp = self._stamp0 + s
-        q[stamp] = 2 * i + 1
-        for col, v in zip(self._cols, values):
-            col[s] = v
-        q[self._meta0 + s] = self._episode_bits | self._step
-        q[stamp] = 2 * i + 2
-        q[self._w_committed] = i + 1
-        self._next = i + 1
-        self._step += 1
-        return i
-
-    def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
-        """Append a batch: ``data[field]`` has shape ``[n, *shape]``, the same n for every field.
-
-        Rows are published together (one ``committed`` store). If n exceeds the lane's capacity,
-        only the last ``capacity`` rows are kept, as a ring would; logical indices still advance
-        by n. Validated whole first: a bad batch raises and changes nothing. May wait on the rate
-        limiter up to ``timeout`` (default ``self.timeout``).
-
-        Returns:
-            the logical indices given to the rows.
-        """
-        if self._closed_reason is not None:
-            self._raise_closed()
-        n, arrays = self._check_batch(data)
-        i0 = self._next
-        if n == 0:
-            return range(i0, i0)
-        if i0 + n > self._room_until:
-            self._make_room(n, self.timeout if timeout is None else _timeout("timeout", timeout))
-        C = self._C
-        keep = min(n, C)
-        skip = n - keep
-        first = i0 + skip
-        end = i0 + n
-        q = self._q
-        if end > self._reserved:
-            self._reserved = end
-            q[self._w_reserved] = end
-        if self._ramp.shape[0] < keep:
-            self._grow_ramp(keep)
-        ramp, ramp2, k0, one = self._ramp, self._ramp2, self._k0, self._one
-        add = np.add
-        stamps, meta = self._stamps, self._meta
-        segments = _ring_segments(first, keep, C)
-        for a, b, off in segments:  # odd: rows first+off .. being written
-            k0[()] = 2 * (first + off) + 1
-            add(ramp2[: b - a], k0, stamps[a:b])
-        for col, arr in zip(self._cols, arrays):
-            if skip == 0 and len(segments) == 1:
-                col[segments[0][0] : segments[0][1]] = arr
-            else:
-                for a, b, off in segments:
-                    col[a:b] = arr[skip + off : skip + off + (b - a)]
-        for a, b, off in segments:
-            k0[()] = self._episode_bits | (self._step + skip + off)
-            add(ramp[: b - a], k0, meta[a:b])
-            view = stamps[a:b]
-            add(view, one, view)  # odd 2i+1 -> even 2i+2: the segment's rows are held
-        q[self._w_committed] = end
-        self._next = end
-        self._step += n
-        return range(i0, end)
-
-    def _grow_ramp(self, n: int) -> None:
-        size = min(max(n, 2 * self._ramp.shape[0], 1024), self._C)
-        self._ramp = np.arange(size, dtype=np.int64)
-        self._ramp2 = self._ramp * 2
-
-    def end_episode(self) -> int:
-        """Close the current episode; the next transition starts a new one. Returns its id."""
-        if self._closed_reason is not None:
-            self._raise_closed()
-        ended = self.episode
-        self.episode += 1
-        self._episode_bits = self.episode << L.STEP_BITS
-        self._step = 0
-        q = self._q
-        q[self._w_episode_start] = self._next
-        q[self._w_episode] = self.episode
-        return ended
-
-    # -- rate limiting -------------------------------------------------------------------------------------
-    def _make_room(self, n: int, timeout: float) -> None:
-        """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
-        q = self._q
-        q[self._w_heartbeat] = time.time_ns()
-        lim = self._limiter
-        deadline = time.monotonic() + timeout
-        pause = 5e-5
-        while True:
-            _, limit, base, n_samplers = lim.read()
-            if limit is None:
-                self._room_until = self._next + max(4 * n, ROOM_CHECK_EVERY)
-                return
-            inserts = lim.total_committed() - base
-            samples = lim.samples(n_samplers)
-            allowed = limit.inserts_allowed(inserts, samples)
-            if allowed >= n:
-                share = max(n, min(allowed // self._buf.lanes, ROOM_CHECK_EVERY))
-                self._room_until = self._next + share
-                return
-            if inserts + n > limit.min_size and n > limit.max_insert_chunk():
-                raise ValueError(
-                    f"extend() of {n} rows can never pass the rate limiter: with "
-                    f"samples_per_insert={limit.samples_per_insert} and tolerance "
-                    f"{limit.tolerance}, at most {limit.max_insert_chunk()} rows fit at once. "
-                    f"Fix: split the batch, or raise the tolerance"
-                )
-            if not self._buf._seg.probe(L.LOCK_LIMITER):
-                # The pool that set the limit died without lifting it: nobody samples any more.
-                self._room_until = self._next + n
-                return
-            if self._closed_reason is not None:
-                self._raise_closed()
-            now = time.monotonic()
-            if now >= deadline:
-                raise RateLimitTimeout(
-                    f"lane {self.lane}: waited {timeout}s for the rate limiter to allow {n} "
-                    f"insert(s) (inserts {inserts}, samples {samples}, samples_per_insert "
-                    f"{limit.samples_per_insert}); the samplers are not keeping up. Nothing was "
-                    f"written. Fix: a larger timeout, more sampling, or a larger tolerance"
-                )
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 2e-3)
-
-    # -- teardown ---------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Release the lane (idempotent). The lane's rows stay; another writer may take it."""
-        if self._closed_reason is None:
-            self._closed_reason = "closed"
-            if self._lease.pid == os.getpid():
-                self._q[self._w_heartbeat] = time.time_ns()
-        self._release()
-
-    def _release(self) -> None:
-        self._cols = []
-        self._stamps = self._meta = None  # type: ignore[assignment]
-        self._lease.close()
-        Writer._live.discard(self)
-
-    @classmethod
-    def _after_fork_in_child(cls) -> None:
-        for w in list(cls._live):
-            w._closed_reason = "inherited by a forked child; open a writer in the child instead"
-            w._cols = []
-        cls._live = weakref.WeakSet()
-
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"next={self._next}"
-        return f"<Writer lane={self.lane} {state}>"
-
-
-os.register_at_fork(after_in_child=Writer._after_fork_in_child)
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -916,30 +905,17 @@ def _field_tuples(spec: Spec) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     return [(f.name, f.shape, f.dtype) for f in spec.values()]
 
 
-def _ring_segments(first: int, n: int, C: int) -> list[tuple[int, int, int]]:
-    """Contiguous slot ranges [a, b) for logical indices [first, first+n), n <= C, with the
-    offset of each range's first row within the n."""
-    s0 = first % C
-    if s0 + n <= C:
-        return [(s0, s0 + n, 0)]
-    head = C - s0
-    return [(s0, C, 0), (0, n - head, head)]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _timeout(name: str, value: Any) -> float:
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if math.isnan(t) or t < 0:
-        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
-    return t
+def _check_data(data: Mapping[str, Any]) -> int:
+    """Rows in ``data`` (imitation's checks): ValueError if empty or of unequal lengths."""
+    if not data:
+        raise ValueError("data is empty: pass a mapping of field name -> array")
+    lengths = {k: len(v) for k, v in data.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"data arrays differ in the length of their first axis: {lengths}")
+    n = next(iter(lengths.values()))
+    if n == 0:
+        raise ValueError("data is empty: every array has 0 rows")
+    return n
 
 
 __all__ = ["ReplayBuffer", "Writer", "RateLimit"]

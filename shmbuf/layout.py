@@ -17,8 +17,13 @@ A replay buffer's body, each region 64-byte aligned:
 - limiter block: ``LIMITER_CONFIG_LINES`` lines of config then ``MAX_SAMPLERS`` counter lines.
 - slot stamps: one u64 per slot, ``lanes * capacity`` of them.  Lane k owns slots
   ``[k*C, (k+1)*C)``; index i of lane k lives in slot ``k*C + i % C``.
-- ``_meta`` column: one u64 per slot, ``episode << 32 | step_in_episode``.
+- ``_meta`` column: one u64 per slot, ``episode << 32 | flags | step_in_episode`` (``FLAG_FINAL``:
+  the row holds an episode's final observation, not a transition; derived-next_obs buffers only).
 - one column per field, ``[lanes * capacity, *shape]``, contiguous.
+- the episode table: per lane a ring of ``episode_capacity`` records, record e of lane k at
+  ``k*E + e % E``, as columns ``_ep_stamp`` (2e+1 while written, 2e+2 once held), ``_ep_start``
+  (logical index of the episode's first step), ``_ep_length`` (its transitions), ``_ep_flags``
+  (``EPISODE_TRUNCATED``) and one column per field of the episode spec.
 
 All words are little-endian (only little-endian machines are supported). Advisory OFD locks on the
 segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the creator,
@@ -85,8 +90,11 @@ LOCK_SAMPLER_BASE = LOCK_OWNER + 1024
 LOCK_LANE_BASE = LOCK_OWNER + (1 << 20)
 
 MAX_LANES = 4096
-STEP_BITS = 32
-STEP_MASK = (1 << STEP_BITS) - 1
+STEP_BITS = 32  # the episode id sits above this many bits of _meta
+FLAG_FINAL = 1 << 31  # _meta flag: the row is an episode's final observation, not a transition
+STEP_MASK = FLAG_FINAL - 1
+EPISODE_TRUNCATED = 1  # _ep_flags bit: the episode was cut short (time limit), not terminated
+EPISODE_COLUMNS = ("_ep_stamp", "_ep_start", "_ep_length", "_ep_flags")
 
 
 def lock_lane(lane: int) -> int:
@@ -136,6 +144,8 @@ class BufferLayout:
     meta: Column
     columns: tuple[Column, ...]
     total_size: int
+    episode_capacity: int = 0
+    episode_columns: tuple[Column, ...] = ()
 
     @property
     def slots(self) -> int:
@@ -156,7 +166,12 @@ class BufferLayout:
 
 
 def buffer_layout(
-    fields: list[tuple[str, tuple[int, ...], np.dtype]], capacity: int, lanes: int, json_len: int
+    fields: list[tuple[str, tuple[int, ...], np.dtype]],
+    capacity: int,
+    lanes: int,
+    json_len: int,
+    episode_fields: list[tuple[str, tuple[int, ...], np.dtype]] = (),  # type: ignore[assignment]
+    episode_capacity: int = 0,
 ) -> BufferLayout:
     """Compute the layout of a replay buffer; pure, so it is the same in every process."""
     if capacity < 1 or lanes < 1:
@@ -174,6 +189,14 @@ def buffer_layout(
         col = Column(name, offset, (slots, *shape), np.dtype(dtype))
         columns.append(col)
         offset = align(offset + col.nbytes)
+    episode_columns = []
+    if episode_capacity > 0:
+        records = lanes * episode_capacity
+        internal = [(name, (), np.dtype("<i8")) for name in EPISODE_COLUMNS]
+        for name, shape, dtype in [*internal, *episode_fields]:
+            col = Column(name, offset, (records, *shape), np.dtype(dtype))
+            episode_columns.append(col)
+            offset = align(offset + col.nbytes)
     total = align(offset, PAGE)
     return BufferLayout(
         capacity=capacity,
@@ -185,6 +208,8 @@ def buffer_layout(
         meta=meta,
         columns=tuple(columns),
         total_size=total,
+        episode_capacity=episode_capacity,
+        episode_columns=tuple(episode_columns),
     )
 
 
@@ -202,5 +227,5 @@ def stamp_held(index: int) -> int:
     return 2 * index + 2
 
 
-def pack_meta(episode: int, step: int) -> int:
-    return (episode << STEP_BITS) | (step & STEP_MASK)
+def pack_meta(episode: int, step: int, final: bool = False) -> int:
+    return (episode << STEP_BITS) | (FLAG_FINAL if final else 0) | (step & STEP_MASK)

@@ -206,7 +206,8 @@ def test_a_real_segment_puts_header_and_lane_words_where_layout_says():
         assert u64(L.H_OWNER_PID) == os.getpid() and u32(L.H_OWNER_UID) == os.getuid()
         doc = raw[L.H_JSON:L.H_JSON + u32(L.H_JSON_LEN)]
         assert doc == L.encode_layout({"kind": "buffer", "spec": spec.to_json(), "capacity": 16,
-                                       "lanes": 3})
+                                       "lanes": 3, "next_obs": "stored", "episode_capacity": 64,
+                                       "episode_spec": []})
         assert u64(lay.lane_word(2, L.LANE_COMMITTED)) == 21
         assert u64(lay.lane_word(2, L.LANE_RESERVED)) == 21
         assert u64(lay.lane_word(2, L.LANE_WRITER_PID)) == os.getpid()

@@ -213,9 +213,12 @@ class ActorGroup:
                   seed, child_end, self._lane_timeout),
             name=f"shmbuf-actor-{actor.actor_id}", daemon=True,
         )
+        # Known before the fork, so the at-fork hook closes the parent's end in the child: a
+        # forked actor holding it would never see end-of-file when the parent dies.
+        actor.conn = parent_end
         proc.start()
         child_end.close()
-        actor.proc, actor.conn, actor.error = proc, parent_end, None
+        actor.proc, actor.error = proc, None
 
     # -- supervision ------------------------------------------------------------------------------
     def poll(self) -> None:

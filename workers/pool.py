@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import select
 import time
 import warnings
 import weakref
@@ -18,7 +19,6 @@ from typing import Any
 import cloudpickle
 import multiprocess
 import numpy as np
-from multiprocess import connection as mp_connection
 
 from shmbuf import ReplayBuffer
 from shmbuf import layout as L
@@ -31,10 +31,11 @@ from shmbuf.errors import (
     WorkerError,
 )
 from shmbuf.limiter import RateLimit
+from shmbuf.sampling.plan import Plan
 
 from .batch import Batch
+from .channel import Channel
 from .sampler_proc import (
-    MSG,
     OP_ERROR,
     OP_FILL,
     OP_HELLO,
@@ -59,6 +60,7 @@ from .staging import (
 from .supervise import RestartBudget, describe_exit, self_inflicted, stop_process
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
+_READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 
 # Learner-side pipe ends and wake-up fds: a forked child (a worker, an actor, anything) must not
 # keep them open, or a dead learner's workers would never see end-of-file.
@@ -83,7 +85,7 @@ class _WorkerHandle:
         self.wid = wid
         self.slots = slots  # staging slots this worker fills, fixed for the pool's life
         self.proc: Any = None
-        self.conn: Any = None
+        self.chan: Channel | None = None
         self.hello = False
         self.assigned: set[int] = set()  # told to fill, not reported ready yet
         self.ready: collections.deque[int] = collections.deque()
@@ -91,8 +93,8 @@ class _WorkerHandle:
         self.batches = 0
 
     def _close_in_child(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
+        if self.chan is not None:
+            self.chan.close()
 
 
 class SamplerPool:
@@ -150,6 +152,8 @@ class SamplerPool:
         max_restarts_per_minute: float = 10.0,
         fields: list[str] | None = None,
         transform_spec: dict[str, Any] | None = None,
+        plan: Plan | None = None,
+        **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
         self._own_buffer = not isinstance(buffer, ReplayBuffer)
@@ -163,6 +167,11 @@ class SamplerPool:
         self._local: dict[str, np.ndarray] = {}
         self._held: Batch | None = None
         try:
+            if plan is None:
+                plan = Plan(**plan_kwargs)
+            elif plan_kwargs:
+                raise ValueError(f"pass either plan= or its options, not both ({plan_kwargs})")
+            self._compiled = self._buf.compile(plan, fields)
             self._setup(batch_size, n_workers, n_staging, seed, start_method, transform,
                         min_size, samples_per_insert, timeout, output, ordered, pin_memory,
                         max_restarts_per_minute, fields, transform_spec)
@@ -195,7 +204,7 @@ class SamplerPool:
         self.timeout = _seconds("timeout", timeout)
         self.ordered = bool(ordered)
         self.min_size = _positive_int("min_size", min_size)
-        self._fields = buf._check_fields(fields) if fields is not None else list(buf.spec)
+        self._fields = fields
         self._limit = _rate_limit(samples_per_insert, self.min_size, self.batch_size)
         self._seed = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
         self._budget = RestartBudget(max_restarts)
@@ -209,25 +218,25 @@ class SamplerPool:
         cfg = SamplerConfig(
             buffer=buf.name, staging="", batch_size=self.batch_size, fields=self._fields,
             out_fields=self._out_fields, transform=transform, min_size=self.min_size,
-            rate_limited=self._limit is not None,
+            rate_limited=self._limit is not None, plan=self._compiled.plan,
         )
+        index_shape = (self.batch_size, *self._compiled.index_shape)
 
         if self._limit is not None:
             self._take_limiter()
         if n_workers == 0:
             self._local = {n: np.empty((self.batch_size, *s), d) for n, s, d in out_arrays}
-            self._local_idx = np.zeros(self.batch_size, np.int64)
+            self._local_idx = np.zeros(index_shape, np.int64)
             self._local_lanes = np.zeros(self.batch_size, np.int64)
             self._local_w = np.ones(self.batch_size, np.float32)
             self._local_scratch = (
-                {n: np.empty((self.batch_size, *buf.spec[n].shape), buf.spec[n].dtype)
-                 for n in self._fields} if transform is not None else None
+                self._compiled.allocate(self.batch_size) if transform is not None else None
             )
             self._transform = transform
             self._rng = np.random.default_rng(self._seed)
         else:
             arrays = [(n, (self.batch_size, *s), d) for n, s, d in out_arrays]
-            arrays += [(INDICES, (self.batch_size,), np.int64), (LANES, (self.batch_size,), np.int64),
+            arrays += [(INDICES, index_shape, np.int64), (LANES, (self.batch_size,), np.int64),
                        (WEIGHTS, (self.batch_size,), np.float32)]
             self._ring = StagingRing.create(
                 arrays, n_staging, {"buffer": buf.name, "batch_size": self.batch_size})
@@ -242,10 +251,15 @@ class SamplerPool:
         self._held: Batch | None = None
         self._failure: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
+        # One poll set for the life of the pool: worker channels, exit sentinels, the wake pipe.
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, _READABLE)
+        self._fd_owner: dict[int, tuple[str, _WorkerHandle | None]] = {self._wake_r: ("wake", None)}
         _PARENT_ONLY.add(self)
         self._closed = False
         self._started = time.monotonic()
-        self._committed0 = int(buf.committed().sum())
+        if self._limiter_lease is None:  # else counted from the limiter's own origin
+            self._committed0 = int(buf.committed().sum())
         self._batches = 0
         self._wait_s = 0.0
         self._occupancy_sum = 0.0
@@ -258,14 +272,14 @@ class SamplerPool:
                 self._start_worker(w, child, w.slots)
 
     def _output_arrays(self, transform: Any, transform_spec: dict[str, Any] | None):
-        spec = self._buf.spec
+        base = list(self._compiled.outputs)
         if transform is None:
-            return [(n, spec[n].shape, spec[n].dtype) for n in self._fields]
+            return base
         if not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         if transform_spec is not None:
             return [(n, tuple(s), np.dtype(d)) for n, (s, d) in transform_spec.items()]
-        example = {n: np.zeros((self.batch_size, *spec[n].shape), spec[n].dtype) for n in self._fields}
+        example = {n: np.zeros((self.batch_size, *shape), dtype) for n, shape, dtype in base}
         try:
             result = transform(dict(example))
         except Exception as e:
@@ -298,6 +312,10 @@ class SamplerPool:
         self._limiter_lease = lease
         credit = min(len(buf), self._limit.min_size)
         buf._limiter.configure(self._limit, max(1, self.n_workers), credit=credit)
+        # stats() counts inserts from the very total the limiter counts from: rows written
+        # between here and the end of the constructor count for both, or the reported ratio
+        # drifts from the enforced one.
+        self._committed0 = buf._limiter.read()[2] + credit
 
     def _make_views(self, pin_memory: bool) -> list[dict[str, Any]]:
         """Per slot: the learner's views (fields plus the internal arrays)."""
@@ -340,14 +358,22 @@ class SamplerPool:
     def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
                       fill: list[int]) -> None:
         """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
-        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        chan, child_sock = Channel.pair()
         proc = self._ctx.Process(
-            target=sampler_main, args=(self._cfg_bytes, child_end, w.wid, seed),
+            target=sampler_main, args=(self._cfg_bytes, child_sock, w.wid, seed),
             name=f"shmbuf-sampler-{w.wid}", daemon=True,
         )
-        proc.start()
-        child_end.close()
-        w.proc, w.conn, w.hello = proc, parent_end, False
+        # Known before the fork, so the at-fork hook closes the learner's end in the child: a
+        # forked worker holding it would not see end-of-file when the learner dies.
+        w.chan = chan
+        try:
+            proc.start()
+        finally:
+            child_sock.close()
+        w.proc, w.hello = proc, False
+        for fd, kind in ((chan.fd, "msg"), (proc.sentinel, "exit")):
+            self._poller.register(fd, _READABLE)
+            self._fd_owner[fd] = (kind, w)
         for s in fill:
             self._assign(w, s)
 
@@ -359,33 +385,28 @@ class SamplerPool:
         ring.set(slot, W_STATE, ASSIGNED)
         w.assigned.add(slot)
         try:
-            w.conn.send_bytes(MSG.pack(OP_FILL, slot, self._gen[slot]))
+            w.chan.send(OP_FILL, slot, self._gen[slot])
         except OSError:
             pass  # it died; its sentinel will say so and the slot is reclaimed then
 
     def _receive(self, w: _WorkerHandle) -> None:
-        """Take every message ``w`` has sent."""
-        conn = w.conn
-        try:
-            while conn.poll(0):
-                msg = conn.recv_bytes()
-                op, slot, gen = MSG.unpack_from(msg)
-                if op == OP_READY:
-                    if slot in w.assigned and gen == self._gen[slot]:
-                        w.assigned.discard(slot)
-                        w.ready.append(slot)
-                        self._ready.append((w.wid, slot))
-                        w.batches += 1
-                elif op == OP_HELLO:
-                    w.hello = True
-                    w.startup_failures = 0
-                elif op == OP_ERROR:
-                    text = msg[MSG.size :].decode("utf-8", "replace")
-                    self._fail(WorkerError(
-                        f"sampler worker {w.wid} (pid {w.proc.pid}) raised; its traceback:\n{text}"
-                    ))
-        except (EOFError, OSError):
-            pass  # it died; the sentinel handles that
+        """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
+        msgs, _ = w.chan.receive()
+        for op, slot, gen, text in msgs:
+            if op == OP_READY:
+                if slot in w.assigned and gen == self._gen[slot]:
+                    w.assigned.discard(slot)
+                    w.ready.append(slot)
+                    self._ready.append((w.wid, slot))
+                    w.batches += 1
+            elif op == OP_HELLO:
+                w.hello = True
+                w.startup_failures = 0
+            elif op == OP_ERROR:
+                self._fail(WorkerError(
+                    f"sampler worker {w.wid} (pid {w.proc.pid}) raised; its traceback:\n"
+                    f"{text.decode('utf-8', 'replace')}"
+                ))
 
     def _on_exit(self, w: _WorkerHandle) -> None:
         """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
@@ -394,7 +415,10 @@ class SamplerPool:
             return
         w.proc.join(1.0)
         pid, how = w.proc.pid, describe_exit(w.proc.exitcode)
-        w.conn.close()
+        for fd in (w.chan.fd, w.proc.sentinel):
+            self._poller.unregister(fd)
+            self._fd_owner.pop(fd, None)
+        w.chan.close()
         lost = sorted(w.assigned)
         for s in lost:  # half-filled or never started: nobody writes them any more
             self._gen[s] += 1
@@ -449,10 +473,18 @@ class SamplerPool:
         if self._held is not None:
             self._held.release()
         t0 = time.perf_counter()
-        if self._ring is None:
-            batch = self._next_in_process(timeout)
-        else:
-            batch = self._next_from_workers(timeout)
+        try:
+            if self._ring is None:
+                batch = self._next_in_process(timeout)
+            else:
+                batch = self._next_from_workers(timeout)
+        except Exception:
+            if self._closed:  # another thread closed the pool under us: say so, nothing else
+                raise ClosedError("the SamplerPool was closed during next()") from None
+            raise
+        if self._closed:
+            batch._invalidate()
+            raise ClosedError("the SamplerPool was closed during next()")
         self._wait_s += time.perf_counter() - t0
         self._batches += 1
         return batch
@@ -488,21 +520,19 @@ class SamplerPool:
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
-        by_obj: dict[Any, tuple[str, _WorkerHandle | None]] = {self._wake_r: ("wake", None)}
-        for w in self._workers:
-            by_obj[w.conn] = ("msg", w)
-            by_obj[w.proc.sentinel] = ("exit", w)
-        ready = mp_connection.wait(list(by_obj), timeout)
+        events = self._poller.poll(max(0, int(timeout * 1000)))
         exits = []
-        for obj in ready:
-            kind, w = by_obj[obj]
+        for fd, _ in events:
+            kind, w = self._fd_owner.get(fd, ("gone", None))
             if kind == "wake":
-                os.read(self._wake_r, 4096)
+                # Only close() writes the wake pipe, and it may be closing the pipe right now
+                # in another thread: do not read it, just report the close.
                 self._check_open()
             elif kind == "msg":
                 self._receive(w)
-            else:
+            elif kind == "exit":
                 exits.append(w)
+        self._check_open()  # closed by another thread meanwhile: restart nobody
         for w in exits:
             self._on_exit(w)
 
@@ -537,8 +567,10 @@ class SamplerPool:
                 raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
             time.sleep(min(pause, deadline - now))
             pause = min(pause * 2, 2e-3)
+            self._check_open()  # close() from another thread ends the wait
         target = self._local if self._transform is None else self._local_scratch
-        draw = buf.sample_into({n: target[n] for n in self._fields}, self._rng)
+        draw = buf.sample_into({n: target[n] for n, _, _ in self._compiled.outputs}, self._rng,
+                               plan=self._compiled)
         if self._transform is not None:
             batch = dict(self._local_scratch)
             result = self._transform(batch)
@@ -635,17 +667,17 @@ class SamplerPool:
             self._held._invalidate()
             self._held = None
         for w in self._workers:
-            if w.conn is not None and not w.conn.closed:
+            if w.chan is not None and not w.chan.closed:
                 try:
-                    w.conn.send_bytes(MSG.pack(OP_STOP, 0, 0))
+                    w.chan.send(OP_STOP)
                 except OSError:
                     pass
         deadline = time.monotonic() + timeout
         for w in self._workers:
             if w.proc is not None:
                 stop_process(w.proc, max(0.1, deadline - time.monotonic()))
-            if w.conn is not None:
-                w.conn.close()
+            if w.chan is not None:
+                w.chan.close()
         self._workers = []
         if self._limiter_lease is not None:
             if not self._buf.closed:
@@ -735,6 +767,13 @@ def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> Rate
             f"samples_per_insert tolerance {tolerance:g} is smaller than batch_size "
             f"{batch_size}: samplers could never take a whole batch. Fix: a tolerance of at "
             f"least a few batches, e.g. ({ratio:g}, {4 * batch_size})"
+        )
+    if tolerance < ratio:
+        raise ValueError(
+            f"samples_per_insert tolerance {tolerance:g} is smaller than samples_per_insert "
+            f"{ratio:g}: one insert moves the balance by {ratio:g} samples, so writers and "
+            f"samplers could end up waiting for each other (Reverb refuses this too). Fix: a "
+            f"tolerance of at least the ratio, e.g. ({ratio:g}, {max(ratio, 4 * batch_size):g})"
         )
     return RateLimit(min_size, ratio, tolerance)
 

@@ -1,6 +1,6 @@
 """The sampler worker process: fills staging slots the learner assigns to it, one batch each.
 
-Protocol with the learner, over this worker's own duplex pipe (fixed-size messages):
+Protocol with the learner, over this worker's own socketpair (``channel.Channel`` records):
 learner -> worker ``FILL(slot, generation)`` or ``STOP``; worker -> learner ``HELLO`` once set up,
 ``READY(slot, generation)`` after a slot is completely written, ``ERROR(traceback)`` when user
 code fails. A slot is only ever announced after its last byte is written, so a worker killed
@@ -8,13 +8,13 @@ mid-fill can never hand over a half-filled batch.
 
 The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
 segment's owner lease is free (checked at least every ``LIVENESS_EVERY`` seconds).
+
 """
 
 from __future__ import annotations
 
 import collections
 import signal
-import struct
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -26,10 +26,10 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.errors import SamplingError
 
+from .channel import Channel
 from .staging import FILLING, INDICES, LANES, READY, W_OWNER, W_SEQ, W_STATE, StagingRing
 
 OP_HELLO, OP_READY, OP_ERROR, OP_FILL, OP_STOP = 1, 2, 3, 10, 11
-MSG = struct.Struct("<qqq")
 LIVENESS_EVERY = 0.5
 SAMPLING_ERRORS_BEFORE_REPORT = 10
 
@@ -41,11 +41,12 @@ class SamplerConfig:
     buffer: str
     staging: str
     batch_size: int
-    fields: list[str]  # buffer fields to gather
+    fields: list[str] | None  # buffer fields to read (None: all)
     out_fields: list[str]  # staging fields (transform output, or ``fields``)
     transform: Any = None
     min_size: int = 1
     rate_limited: bool = False
+    plan: Any = None  # shmbuf.sampling.Plan
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,34 +64,32 @@ class LearnerGone(Exception):
     """The learner process is gone: the worker exits quietly."""
 
 
-def sampler_main(cfg_bytes: bytes, conn: Any, worker_id: int, seed: Any) -> None:
+def sampler_main(cfg_bytes: bytes, sock: Any, worker_id: int, seed: Any) -> None:
     """Entry point of a sampler worker process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's; it stops us
+    chan = Channel(sock)
     worker = None
     try:
-        worker = _Worker(cloudpickle.loads(cfg_bytes), conn, worker_id, seed)
-        conn.send_bytes(MSG.pack(OP_HELLO, worker_id, 0))
+        worker = _Worker(cloudpickle.loads(cfg_bytes), chan, worker_id, seed)
+        chan.send(OP_HELLO, worker_id)
         worker.run()
     except LearnerGone:
         pass
     except BaseException:
-        _send_error(conn, traceback.format_exc())
+        try:
+            chan.send_text(OP_ERROR, traceback.format_exc())
+        except OSError:
+            pass
     finally:
         if worker is not None:
             worker.close()
-
-
-def _send_error(conn: Any, text: str) -> None:
-    try:
-        conn.send_bytes(MSG.pack(OP_ERROR, 0, 0) + text.encode("utf-8", "replace"))
-    except (OSError, ValueError):
-        pass
+        chan.close()
 
 
 class _Worker:
-    def __init__(self, cfg: SamplerConfig, conn: Any, worker_id: int, seed: Any) -> None:
+    def __init__(self, cfg: SamplerConfig, chan: Channel, worker_id: int, seed: Any) -> None:
         self.cfg = cfg
-        self.conn = conn
+        self.chan = chan
         self.wid = worker_id
         self.rng = np.random.default_rng(seed)
         self.buf = ReplayBuffer.attach(cfg.buffer)
@@ -102,33 +101,25 @@ class _Worker:
         self.limiter = self.buf._limiter if cfg.rate_limited else None
         self.counter = self.limiter.counter_index(worker_id) if self.limiter else -1
         self.transform = cfg.transform
-        spec = self.buf.spec
-        self.scratch = (
-            {n: np.empty((cfg.batch_size, *spec[n].shape), spec[n].dtype) for n in cfg.fields}
-            if self.transform is not None
-            else None
-        )
-        # Without a transform, rows are gathered straight into each slot's field views.
+        self.compiled = self.buf.compile(cfg.plan, cfg.fields)
+        names = [n for n, _, _ in self.compiled.outputs]
+        self.scratch = self.compiled.allocate(cfg.batch_size) if self.transform is not None else None
+        # Without a transform, rows are gathered straight into each slot's views.
         self.targets = (
-            [{n: self.ring.slot(s)[n] for n in cfg.fields} for s in range(self.ring.n_slots)]
+            [{n: self.ring.slot(s)[n] for n in names} for s in range(self.ring.n_slots)]
             if self.transform is None
             else []
         )
 
     # -- messages -------------------------------------------------------------------------------
     def _receive(self, timeout: float) -> None:
-        """Move messages into ``pending``; raise LearnerGone on EOF."""
-        conn = self.conn
-        try:
-            if not conn.poll(timeout):
-                return
-            while True:
-                msg = conn.recv_bytes()
-                self.pending.append(MSG.unpack_from(msg))
-                if not conn.poll(0):
-                    return
-        except (EOFError, OSError):
-            raise LearnerGone from None
+        """Move messages into ``pending`` (waiting up to ``timeout``); LearnerGone on EOF."""
+        if timeout > 0 and not self.chan.wait(timeout):
+            return
+        msgs, eof = self.chan.receive()
+        self.pending.extend((op, a, b) for op, a, b, _ in msgs)
+        if eof:
+            raise LearnerGone
 
     def _check_learner(self) -> None:
         now = time.monotonic()
@@ -176,7 +167,7 @@ class _Worker:
         self.seq += 1
         ring.set(slot, W_STATE, READY)
         try:
-            self.conn.send_bytes(MSG.pack(OP_READY, slot, gen))
+            self.chan.send(OP_READY, slot, gen)
         except OSError:
             raise LearnerGone from None
 
@@ -184,7 +175,7 @@ class _Worker:
         target = self.targets[slot] if self.transform is None else self.scratch
         for attempt in range(SAMPLING_ERRORS_BEFORE_REPORT):
             try:
-                draw = self.buf.sample_into(target, self.rng)
+                draw = self.buf.sample_into(target, self.rng, plan=self.compiled)
                 break
             except SamplingError:
                 if attempt == SAMPLING_ERRORS_BEFORE_REPORT - 1:

@@ -1,0 +1,113 @@
+"""The episode table: per lane, a ring of records of finished episodes, readable by episode id.
+
+Record e of lane k lives at ``k*E + e % E`` (E = ``episode_capacity``): its stamp, the logical
+index of its first step, its length in transitions, its flags (``EPISODE_TRUNCATED``) and the
+values of the buffer's episode spec (return, seed, ...).
+
+Concurrency: only lane k's writer stores lane k's records, stamp-first as rows are (2e+1 while
+written, 2e+2 once held); readers check the stamp before and after copying, so a record being
+rewritten or overwritten by a later episode is never returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import layout as L
+from .errors import SpecMismatchError, StaleIndexError
+from .spec import RowChecker, Spec
+
+
+class EpisodeTable:
+    """Views of a buffer's episode columns plus the checks for episode data."""
+
+    def __init__(self, columns: Mapping[str, np.ndarray], capacity: int, lanes: int,
+                 spec: Spec | None) -> None:
+        self.capacity = capacity  # records per lane
+        self.lanes = lanes
+        self.stamp = columns["_ep_stamp"]
+        self.start = columns["_ep_start"]
+        self.length = columns["_ep_length"]
+        self.flags = columns["_ep_flags"]
+        self.spec = spec
+        self.data = {name: columns[name] for name in (spec or {})}
+        self._checker = RowChecker(spec) if spec else None
+        self._zeros = {name: np.zeros(f.shape, f.dtype) for name, f in (spec or {}).items()}
+
+    # -- writing (the lane's writer only) -----------------------------------------------------------
+    def check(self, values: Mapping[str, Any]) -> list[Any]:
+        """Validate episode data before anything is stored; missing fields are zero."""
+        if not values:
+            return list(self._zeros.values())
+        if self._checker is None:
+            raise SpecMismatchError(
+                f"end_episode() got episode data {sorted(values)} but the buffer has no episode "
+                f"spec. Fix: create it with episode_spec=Spec(...) naming those fields"
+            )
+        full = dict(self._zeros)
+        full.update(values)
+        if len(full) != len(self._zeros):
+            extra = sorted(set(values) - set(self._zeros))
+            raise SpecMismatchError(
+                f"end_episode(): unknown episode field(s) {extra}; the episode spec has "
+                f"{', '.join(self._zeros)}"
+            )
+        return self._checker.check_row(full)
+
+    def write(self, lane: int, episode: int, start: int, length: int, truncated: bool,
+              values: list[Any]) -> None:
+        r = lane * self.capacity + episode % self.capacity
+        self.stamp[r] = 2 * episode + 1
+        self.start[r] = start
+        self.length[r] = length
+        self.flags[r] = L.EPISODE_TRUNCATED if truncated else 0
+        for col, v in zip(self.data.values(), values):
+            col[r] = v
+        self.stamp[r] = 2 * episode + 2
+
+    # -- reading (anyone) -------------------------------------------------------------------------------
+    def read(self, episodes: np.ndarray, lanes: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Records of ``episodes`` (ids) of ``lanes``; (arrays, which were held whole)."""
+        r = lanes * self.capacity + episodes % self.capacity
+        expected = 2 * episodes + 2
+        before = self.stamp[r]
+        out = {
+            "episode": episodes.copy(),
+            "lane": lanes.copy(),
+            "start": self.start[r],
+            "length": self.length[r],
+            "truncated": (self.flags[r] & L.EPISODE_TRUNCATED) != 0,
+        }
+        for name, col in self.data.items():
+            out[name] = col[r]
+        after = self.stamp[r]
+        return out, (before == expected) & (after == expected)
+
+    def get(self, episode: int, lane: int) -> dict[str, Any]:
+        ep = np.array([episode], np.int64)
+        rec, ok = self.read(ep, np.array([lane], np.int64))
+        if not ok[0]:
+            raise StaleIndexError(
+                f"no record of episode {episode} of lane {lane}: not finished yet, or older "
+                f"than the last {self.capacity} episodes of the lane (episode_capacity)"
+            )
+        return {k: (v[0].item() if v[0].ndim == 0 else v[0]) for k, v in rec.items()}
+
+    def held(self, lane: int | None = None) -> dict[str, np.ndarray]:
+        """Every record held now (of one lane or all), ordered by lane then episode."""
+        stamps = self.stamp.reshape(self.lanes, self.capacity)
+        lanes_sel = range(self.lanes) if lane is None else [lane]
+        eps, lns = [], []
+        for k in lanes_sel:
+            s = stamps[k]
+            good = (s > 0) & (s % 2 == 0)
+            eps.append(s[good] // 2 - 1)
+            lns.append(np.full(int(good.sum()), k, np.int64))
+        episodes = np.concatenate(eps) if eps else np.zeros(0, np.int64)
+        lanes = np.concatenate(lns) if lns else np.zeros(0, np.int64)
+        rec, ok = self.read(episodes, lanes)
+        order = np.lexsort((rec["episode"][ok], rec["lane"][ok]))
+        return {k: v[ok][order] for k, v in rec.items()}

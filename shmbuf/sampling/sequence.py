@@ -1,0 +1,24 @@
+"""Sequences: windows of T consecutive steps of one lane.
+
+Strict windows never cross an episode boundary; crossing windows are masked to the steps of the
+episode they start in (a prefix), the rest padded by the reader.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sequence_masks(valid: np.ndarray, cross_episodes: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(anchor_ok [B], mask [B, T]) from ``valid[b, t]``: step t of window b is a readable
+    transition of the window's first episode (and, if needed, has its next observation)."""
+    if cross_episodes:
+        mask = np.logical_and.accumulate(valid, axis=1)
+        return mask[:, 0].copy(), mask
+    ok = valid.all(axis=1)
+    return ok, np.ones_like(valid)
+
+
+def strict_tail(T: int, needs_next: bool) -> int:
+    """How many newest rows a strict window's start must leave after it."""
+    return T - 1 + (1 if needs_next else 0)

@@ -1,0 +1,201 @@
+"""``VectorWriter``: one writer for ``num_envs`` lanes at once (a vectorized environment).
+
+Each ``add`` takes arrays with a leading ``num_envs`` axis and writes row e to lane ``lanes[e]``,
+the equivalent of a group of per-env buffers in one shared-memory buffer. Writes are vectorised
+across lanes: each protocol step (claims, odd stamps, rows, meta, even stamps, ``committed``) is
+one NumPy store over all lanes, in the same order a single-lane ``Writer`` uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import layout as L
+from .errors import ClosedError, SpecMismatchError
+from .spec import RowChecker
+from .writer import Writer, wait_for_room
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+
+class VectorWriter:
+    """Writes one transition per environment per ``add`` into ``num_envs`` lanes.
+
+    Get one with ``buffer.writer(num_envs=N)``. Concurrency as ``Writer``: it holds every one of
+    its lanes' writer leases, so it is the only process storing to them.
+
+    Example:
+        >>> with buf.writer(num_envs=8) as w:
+        ...     w.add(obs=obs, action=actions, reward=rewards)   # each [8, ...]
+        ...     w.end_episode(terminated | truncated, truncated=truncated)
+    """
+
+    def __init__(self, buf: ReplayBuffer, writers: list[Writer]) -> None:
+        self._buf = buf
+        self._writers = writers  # holding the leases; their own state is not used any more
+        self.lanes = np.array([w.lane for w in writers], np.int64)
+        self.num_envs = len(writers)
+        self.timeout = writers[0].timeout
+        C = buf.capacity
+        self._C = C
+        self._base = self.lanes * C
+        self._next = np.array([w._next for w in writers], np.int64)
+        self._reserved = np.array([w._reserved for w in writers], np.int64)
+        self.episode = np.array([w.episode for w in writers], np.int64)
+        self._step = np.array([w._step for w in writers], np.int64)
+        words = buf._lane_words
+        self._committed_v, self._reserved_v = buf._committed_v, buf._reserved_v
+        self._episode_v = words[:, L.LANE_EPISODE, 0]
+        self._episode_start_v = words[:, L.LANE_EPISODE_START, 0]
+        self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
+        self._cols = [buf._cols[name] for name in buf._spec]
+        self._stamps, self._meta = buf._stamps, buf._meta
+        self._check_batch = buf._input_checker().check_batch
+        self._derived = buf.derived_next_obs
+        if self._derived:
+            obs = buf._spec["obs"]
+            self._pending = np.zeros((self.num_envs, *obs.shape), obs.dtype)
+            self._obs_col = list(buf._spec).index("obs")
+        self._rows = 0  # rows written, for rate-limit bookkeeping
+        self._room_until = 0
+        self._lim_word = buf._limiter._word(L.LIM_GENERATION)
+        self._lim_gen = -1
+        self._episode_checker = (
+            RowChecker(buf._episode_spec) if buf._episode_spec is not None else None
+        )
+        self._closed = False
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"vector writer of lanes {self.lanes.tolist()} is closed")
+
+    def _make_room(self, n: int) -> None:
+        self._heartbeat_v[self.lanes] = time.time_ns()
+        room, self._lim_gen = wait_for_room(self._buf, n, self.timeout, self._check_open,
+                                            f"lanes {self.lanes.tolist()}")
+        self._room_until = self._rows + room
+
+    def _put(self, slots: np.ndarray, index: np.ndarray, lanes: np.ndarray, rows: list[Any],
+             meta: np.ndarray) -> None:
+        """The stamp protocol for one row per lane, every step vectorised over the lanes."""
+        claim = np.maximum(self._reserved_v[lanes], index + 1)
+        self._reserved_v[lanes] = claim
+        self._stamps[slots] = 2 * index + 1
+        for col, values in zip(self._cols, rows):
+            col[slots] = values
+        self._meta[slots] = meta
+        self._stamps[slots] = 2 * index + 2
+        self._committed_v[lanes] = index + 1
+
+    def add(self, **fields: Any) -> np.ndarray:
+        """Append one transition per env (every field ``[num_envs, ...]``); returns the logical
+        index each got in its lane. Validated whole before anything is written."""
+        self._check_open()
+        n, arrays = self._check_batch(fields)
+        if n != self.num_envs:
+            raise SpecMismatchError(
+                f"add(): fields have {n} rows but this writer has num_envs={self.num_envs}: pass "
+                f"one row per environment"
+            )
+        if self._rows + n > self._room_until or self._buf._q[self._lim_word] != self._lim_gen:
+            self._make_room(n)
+        index = self._next
+        meta = (self.episode << L.STEP_BITS) | (self._step & L.STEP_MASK)
+        self._put(self._base + index % self._C, index, self.lanes, arrays, meta)
+        self._next = index + 1
+        self._step += 1
+        self._rows += n
+        if self._derived:
+            self._pending[...] = arrays[-1]
+        return index
+
+    def end_episode(self, env_mask: Any, truncated: Any = False, **episode_data: Any) -> np.ndarray:
+        """End the episodes of the envs where ``env_mask`` is true.
+
+        ``truncated`` and each episode-data value are per env (``[num_envs]``) or one value for
+        all. Envs with no steps in their episode are skipped. Returns each env's ended episode
+        id, -1 where nothing ended.
+        """
+        self._check_open()
+        mask = np.broadcast_to(np.asarray(env_mask, bool), (self.num_envs,)) & (self._step > 0)
+        trunc = np.broadcast_to(np.asarray(truncated, bool), (self.num_envs,))
+        values = self._episode_values(episode_data)
+        ended = np.where(mask, self.episode, -1)
+        if not mask.any():
+            return ended
+        envs = np.flatnonzero(mask)
+        starts = self._next[envs] - self._step[envs]
+        if self._derived:
+            self._write_final_rows(envs)
+        table = self._buf._episodes
+        if table is not None:
+            for j, e in enumerate(envs):  # one record per finished episode, not per step
+                row = [v[e] for v in values] if values is not None else table.check({})
+                table.write(int(self.lanes[e]), int(self.episode[e]), int(starts[j]),
+                            int(self._step[e]), bool(trunc[e]), row)
+        self.episode[envs] += 1
+        self._step[envs] = 0
+        self._episode_start_v[self.lanes[envs]] = self._next[envs]
+        self._episode_v[self.lanes[envs]] = self.episode[envs]
+        return ended
+
+    def _episode_values(self, data: Mapping[str, Any]) -> list[np.ndarray] | None:
+        if not data:
+            return None
+        if self._episode_checker is None:
+            self._buf._no_episode_spec(data)
+        spec = self._buf._episode_spec
+        full = {n: np.zeros((self.num_envs, *f.shape), f.dtype) for n, f in spec.items()}
+        for name, value in data.items():
+            if name not in full:
+                raise SpecMismatchError(
+                    f"end_episode(): unknown episode field {name!r}; the episode spec has "
+                    f"{', '.join(spec)}"
+                )
+            full[name] = np.broadcast_to(np.asarray(value), full[name].shape)
+        return self._episode_checker.check_batch(
+            {k: np.ascontiguousarray(v) for k, v in full.items()})[1]
+
+    def _write_final_rows(self, envs: np.ndarray) -> None:
+        n = envs.size
+        if self._rows + n > self._room_until or self._buf._q[self._lim_word] != self._lim_gen:
+            self._make_room(n)
+        index = self._next[envs]
+        lanes = self.lanes[envs]
+        rows = [self._pending[envs] if k == self._obs_col else 0 for k in range(len(self._cols))]
+        meta = (self.episode[envs] << L.STEP_BITS) | L.FLAG_FINAL | (self._step[envs] & L.STEP_MASK)
+        self._put(self._base[envs] + index % self._C, index, lanes, rows, meta)
+        self._next[envs] = index + 1
+        self._rows += n
+
+    @property
+    def committed(self) -> np.ndarray:
+        return self._next.copy()
+
+    # -- teardown ---------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every lane (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            # Drop every view of the segment, so the buffer can unmap it.
+            self._cols = []
+            self._stamps = self._meta = None  # type: ignore[assignment]
+            self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+            self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
+            for w in self._writers:
+                w.close()
+
+    def __enter__(self) -> VectorWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<VectorWriter lanes={self.lanes.tolist()}{' closed' if self._closed else ''}>"

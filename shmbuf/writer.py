@@ -1,0 +1,371 @@
+"""``Writer``: appends transitions to one lane of a replay buffer under the stamp protocol.
+
+Also the rate-limiter wait shared with ``VectorWriter``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from . import layout as L
+from ._util import _ring_segments, _timeout
+from .errors import ClosedError, RateLimitTimeout
+from .segment import Lease
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+
+ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited
+
+
+def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callable[[], None],
+                  who: str) -> tuple[int, int]:
+    """Wait until ``n`` more rows may be inserted; return (rows allowed before the next check,
+    the limiter generation read).
+
+    Raises:
+        RateLimitTimeout: not within ``timeout`` (nothing was written).
+        ValueError: ``n`` rows can never fit under the configured ratio.
+    """
+    lim = buf._limiter
+    deadline = time.monotonic() + timeout
+    pause = 5e-5
+    while True:
+        gen, limit, base, n_samplers = lim.read()
+        if limit is None:
+            return max(4 * n, ROOM_CHECK_EVERY), gen
+        inserts = lim.total_committed() - base
+        samples = lim.samples(n_samplers)
+        allowed = limit.inserts_allowed(inserts, samples)
+        if allowed >= n:
+            # Share the headroom with the other lanes' writers: the ratio then holds to within
+            # about one insert per writer without any cross-process lock.
+            return max(n, min(allowed // buf.lanes, ROOM_CHECK_EVERY)), gen
+        if inserts + n > limit.min_size and n > limit.max_insert_chunk():
+            raise ValueError(
+                f"{n} rows at once can never pass the rate limiter: with samples_per_insert="
+                f"{limit.samples_per_insert} and tolerance {limit.tolerance}, at most "
+                f"{limit.max_insert_chunk()} rows fit at once. Fix: split the batch, or raise "
+                f"the tolerance"
+            )
+        if not buf._seg.probe(L.LOCK_LIMITER):
+            # The pool that set the limit died without lifting it: nobody samples any more.
+            return n, gen
+        check_open()
+        now = time.monotonic()
+        if now >= deadline:
+            raise RateLimitTimeout(
+                f"{who}: waited {timeout}s for the rate limiter to allow {n} insert(s) (inserts "
+                f"{inserts}, samples {samples}, samples_per_insert {limit.samples_per_insert}); "
+                f"the samplers are not keeping up. Nothing was written. Fix: a larger timeout, "
+                f"more sampling, or a larger tolerance"
+            )
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 2e-3)
+
+
+class Writer:
+    """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
+
+    Concurrency: this writer is the only process storing its lane's words, slots, rows and
+    episode records. For index i in slot s it stores ``reserved``, ``stamp[s] = 2i+1``, the row,
+    ``stamp[s] = 2i+2`` and then ``committed = i+1``; readers never wait for it and it never waits
+    for them (only, optionally, for the rate limiter). A writer belongs to the process that
+    opened it: a forked child's copy is closed.
+
+    With ``next_obs="derived"`` buffers, ``add`` still takes ``next_obs`` but stores only ``obs``;
+    the next observation is the next row's ``obs``, and ``end_episode`` stores the episode's true
+    final observation as one extra row (flagged FINAL, never sampled as a transition). Call
+    ``end_episode`` at every episode end there, or the last step is never sampled.
+
+    Example:
+        >>> with buf.writer() as w:
+        ...     w.add(obs=o, action=a, reward=r)
+        ...     w.extend({"obs": obs_batch, "action": act_batch, "reward": rew_batch})
+        ...     w.end_episode(truncated=False, **{"return": 21.0})
+    """
+
+    _live: weakref.WeakSet[Writer] = weakref.WeakSet()
+
+    def __init__(self, buf: ReplayBuffer, lane: int, lease: Lease, insert_timeout: float) -> None:
+        self._buf = buf
+        self.lane = lane
+        self._lease = lease
+        self.timeout = _timeout("insert_timeout", insert_timeout)
+        self._closed_reason: str | None = None
+        lay, q = buf._layout, buf._q
+        C = lay.capacity
+        self._C = C
+        self._q = q
+        w = lambda word: lay.lane_word(lane, word) // 8  # noqa: E731
+        self._w_committed, self._w_reserved = w(L.LANE_COMMITTED), w(L.LANE_RESERVED)
+        self._w_episode, self._w_episode_start = w(L.LANE_EPISODE), w(L.LANE_EPISODE_START)
+        self._w_heartbeat = w(L.LANE_HEARTBEAT)
+        self._stamp0 = lay.stamp(lane * C) // 8
+        self._meta0 = (lay.meta.offset // 8) + lane * C
+        base = lane * C
+        self._cols = [buf._cols[name][base : base + C] for name in buf._spec]
+        self._stamps = buf._stamps[base : base + C]
+        self._meta = buf._meta[base : base + C]
+        checker = buf._input_checker()
+        self._check_row = checker.check_row
+        self._check_batch = checker.check_batch
+        self._derived = buf.derived_next_obs
+        if self._derived:
+            obs = buf._spec["obs"]
+            self._pending = np.zeros(obs.shape, obs.dtype)  # the last step's next_obs
+            self._obs_col = list(buf._spec).index("obs")
+        self._limiter = buf._limiter
+        self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
+        self._k0 = np.zeros((), np.int64)  # 0-d operands: ufuncs take them faster than ints
+        self._one = np.ones((), np.int64)
+
+        # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
+        committed, reserved = q[self._w_committed], q[self._w_reserved]
+        if reserved > committed + C:
+            # The last writer died inside an extend() of more rows than the lane holds: every
+            # slot was being rewritten, so nothing below `committed` survives, but the rows we
+            # write from `committed` on are whole. Readers' window then starts at `committed`
+            # instead of staying empty until we pass the dead writer's claim.
+            reserved = committed + C
+            q[self._w_reserved] = reserved
+        self._next = committed
+        self._reserved = max(reserved, committed)
+        q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
+        q[w(L.LANE_WRITER_PID)] = os.getpid()
+        episode, start = q[self._w_episode], q[self._w_episode_start]
+        if committed > start:  # the previous writer left an episode open: start a new one
+            episode += 1
+            start = committed
+            q[self._w_episode_start] = start
+            q[self._w_episode] = episode
+        self.episode = episode
+        self._step = committed - start
+        self._episode_bits = episode << L.STEP_BITS
+        self._room_until = self._next  # check the rate limiter on the first insert
+        # A pool that starts (or changes) a rate limit bumps its generation: room granted
+        # before that is void, so a writer that was already running obeys the limit at once.
+        self._w_lim_gen = self._limiter._word(L.LIM_GENERATION)
+        self._lim_gen = -1
+        Writer._live.add(self)
+
+    # -- state -----------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    @property
+    def committed(self) -> int:
+        """Rows this lane has published (the next add gets this logical index)."""
+        return self._next
+
+    @property
+    def step(self) -> int:
+        """Steps in the current episode so far."""
+        return self._step
+
+    def _raise_closed(self) -> None:
+        raise ClosedError(f"writer of lane {self.lane} is closed ({self._closed_reason})")
+
+    def _check_open(self) -> None:
+        if self._closed_reason is not None:
+            self._raise_closed()
+
+    # -- hot path ----------------------------------------------------------------------------------------
+    def add(self, **fields: Any) -> int:
+        """Append one transition; returns its logical index in the lane.
+
+        Every field of the spec must be given. The whole transition is validated before
+        anything is written; a bad one raises ``SpecMismatchError`` and changes nothing.
+        May wait up to ``self.timeout`` seconds on the rate limiter (``RateLimitTimeout``).
+        """
+        if self._closed_reason is not None:
+            self._raise_closed()
+        values = self._check_row(fields)
+        i = self._next
+        if i >= self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
+            self._make_room(1, self.timeout)
+        s = i % self._C
+        q = self._q
+        if i >= self._reserved:
+            self._reserved = i + 1
+            q[self._w_reserved] = i + 1
+        stamp = self._stamp0 + s
+        q[stamp] = 2 * i + 1
+        for col, v in zip(self._cols, values):  # (a derived next_obs, last, is not stored)
+            col[s] = v
+        q[self._meta0 + s] = self._episode_bits | (self._step & L.STEP_MASK)
+        q[stamp] = 2 * i + 2
+        q[self._w_committed] = i + 1
+        self._next = i + 1
+        self._step += 1
+        if self._derived:
+            self._pending[...] = values[-1]
+        return i
+
+    def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
+        """Append a batch: ``data[field]`` has shape ``[n, *shape]``, the same n for every field.
+
+        Rows are published together (one ``committed`` store). If n exceeds the lane's capacity,
+        only the last ``capacity`` rows are kept, as a ring would; logical indices still advance
+        by n. Validated whole first: a bad batch raises and changes nothing. May wait on the rate
+        limiter up to ``timeout`` (default ``self.timeout``).
+
+        Returns:
+            the logical indices given to the rows.
+        """
+        if self._closed_reason is not None:
+            self._raise_closed()
+        n, arrays = self._check_batch(data)
+        i0 = self._next
+        if n == 0:
+            return range(i0, i0)
+        if i0 + n > self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
+            self._make_room(n, self.timeout if timeout is None else _timeout("timeout", timeout))
+        C = self._C
+        keep = min(n, C)
+        skip = n - keep
+        first = i0 + skip
+        end = i0 + n
+        q = self._q
+        if end > self._reserved:
+            self._reserved = end
+            q[self._w_reserved] = end
+        if self._ramp.shape[0] < keep:
+            self._grow_ramp(keep)
+        ramp, ramp2, k0, one = self._ramp, self._ramp2, self._k0, self._one
+        add = np.add
+        stamps, meta = self._stamps, self._meta
+        segments = _ring_segments(first, keep, C)
+        for a, b, off in segments:  # odd: rows first+off .. being written
+            k0[()] = 2 * (first + off) + 1
+            add(ramp2[: b - a], k0, stamps[a:b])
+        for col, arr in zip(self._cols, arrays):
+            if skip == 0 and len(segments) == 1:
+                col[segments[0][0] : segments[0][1]] = arr
+            else:
+                for a, b, off in segments:
+                    col[a:b] = arr[skip + off : skip + off + (b - a)]
+        for a, b, off in segments:
+            k0[()] = self._episode_bits | ((self._step + skip + off) & L.STEP_MASK)
+            add(ramp[: b - a], k0, meta[a:b])
+            view = stamps[a:b]
+            add(view, one, view)  # odd 2i+1 -> even 2i+2: the segment's rows are held
+        q[self._w_committed] = end
+        self._next = end
+        self._step += n
+        if self._derived:
+            self._pending[...] = arrays[-1][-1]
+        return range(i0, end)
+
+    def _grow_ramp(self, n: int) -> None:
+        size = min(max(n, 2 * self._ramp.shape[0], 1024), self._C)
+        self._ramp = np.arange(size, dtype=np.int64)
+        self._ramp2 = self._ramp * 2
+
+    # -- episodes ------------------------------------------------------------------------------------------
+    def end_episode(self, truncated: bool = False, **episode_data: Any) -> int:
+        """Close the current episode; the next transition starts a new one. Returns its id.
+
+        The episode's record (first index, length, ``truncated``, ``episode_data``) becomes
+        readable with ``buffer.episode(id, lane)``. An episode with no steps is not recorded and
+        its id is not used up. Episode data is validated before anything is written.
+
+        Args:
+            truncated: True if the episode was cut short (time limit), False if it terminated.
+            **episode_data: values for the fields of the buffer's episode spec (missing ones are
+                zero), e.g. ``end_episode(**{"return": 21.0, "seed": 7})``.
+        """
+        if self._closed_reason is not None:
+            self._raise_closed()
+        table = self._buf._episodes
+        values = table.check(episode_data) if table is not None else None
+        if values is None and episode_data:
+            self._buf._no_episode_spec(episode_data)
+        ended = self.episode
+        length = self._step
+        if length == 0:
+            return ended
+        start = self._next - length
+        if self._derived:
+            self._write_final_row()
+        if table is not None:
+            table.write(self.lane, ended, start, length, bool(truncated), values)
+        self.episode += 1
+        self._episode_bits = self.episode << L.STEP_BITS
+        self._step = 0
+        q = self._q
+        q[self._w_episode_start] = self._next
+        q[self._w_episode] = self.episode
+        return ended
+
+    def _write_final_row(self) -> None:
+        """One FINAL row holding the episode's last next_obs, the rest of the row zero.
+
+        Same stamp protocol as ``add`` (kept separate so ``add`` stays one flat function).
+        """
+        i = self._next
+        if i >= self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
+            self._make_room(1, self.timeout)
+        s = i % self._C
+        q = self._q
+        if i >= self._reserved:
+            self._reserved = i + 1
+            q[self._w_reserved] = i + 1
+        stamp = self._stamp0 + s
+        q[stamp] = 2 * i + 1
+        for k, col in enumerate(self._cols):
+            col[s] = self._pending if k == self._obs_col else 0
+        q[self._meta0 + s] = self._episode_bits | L.FLAG_FINAL | (self._step & L.STEP_MASK)
+        q[stamp] = 2 * i + 2
+        q[self._w_committed] = i + 1
+        self._next = i + 1
+
+    # -- rate limiting -------------------------------------------------------------------------------------
+    def _make_room(self, n: int, timeout: float) -> None:
+        """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
+        self._q[self._w_heartbeat] = time.time_ns()
+        room, self._lim_gen = wait_for_room(self._buf, n, timeout, self._check_open,
+                                            f"lane {self.lane}")
+        self._room_until = self._next + room
+
+    # -- teardown ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the lane (idempotent). The lane's rows stay; another writer may take it."""
+        if self._closed_reason is None:
+            self._closed_reason = "closed"
+            if self._lease.pid == os.getpid():
+                self._q[self._w_heartbeat] = time.time_ns()
+        self._release()
+
+    def _release(self) -> None:
+        self._cols = []
+        self._stamps = self._meta = None  # type: ignore[assignment]
+        self._lease.close()
+        Writer._live.discard(self)
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        for w in list(cls._live):
+            w._closed_reason = "inherited by a forked child; open a writer in the child instead"
+            w._cols = []
+        cls._live = weakref.WeakSet()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"next={self._next}"
+        return f"<Writer lane={self.lane} {state}>"
+
+
+os.register_at_fork(after_in_child=Writer._after_fork_in_child)
