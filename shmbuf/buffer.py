@@ -467,6 +467,7 @@ class ReplayBuffer:
         if ok.all():
             return draw
         lanes, indices = draw.lanes.copy(), draw.indices.copy()
+        probs, pmin = (None if draw.probs is None else draw.probs.copy()), draw.pmin
         for _ in range(max_retries):
             bad = np.flatnonzero(~ok)
             redraw = sampler(self.windows(), bad.size, rng)
@@ -475,8 +476,11 @@ class ReplayBuffer:
             for k, v in out.items():
                 v[bad] = tmp[k]
             lanes[bad], indices[bad], ok[bad] = redraw.lanes, redraw.indices, ok_bad
+            if probs is not None:
+                probs[bad] = redraw.probs
+                pmin = min(pmin, redraw.pmin)
             if ok.all():
-                return Draw(lanes, indices)
+                return Draw(lanes, indices, probs, pmin)
         raise SamplingError(
             f"{int((~ok).sum())} of {batch} rows were overwritten while being read, "
             f"{max_retries} times in a row: writers lap the readers. Fix: a larger capacity "

@@ -50,6 +50,10 @@ class StaleIndexError(ShmbufError, IndexError):
     """An index refers to a transition that was overwritten or not yet written."""
 
 
+class InvalidPriorityError(ShmbufError, ValueError):
+    """A priority was NaN, infinite or negative; nothing was updated."""
+
+
 class CheckpointError(ShmbufError, ValueError):
     """A saved buffer or state dict is truncated, incomplete or inconsistent."""
 

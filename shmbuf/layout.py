@@ -42,6 +42,7 @@ MAGIC = b"SHMBUF\x00\x01"
 FORMAT_VERSION = 1
 KIND_BUFFER = 1
 KIND_STAGING = 2
+KIND_PRIORITY = 3
 
 PAGE = 4096
 LINE = 64
@@ -68,6 +69,7 @@ LANE_EPOCH = 3  # bumped by every writer that takes the lane
 LANE_HEARTBEAT = 4  # time.time_ns() of the writer's last publish (sampled, not every add)
 LANE_WRITER_PID = 5  # pid of the lane's current (or last) writer
 LANE_EPISODE_START = 6  # logical index of the current episode's first step
+LANE_RELEASED = 7  # queue mode: rows below this were delivered (written by the queue's pool)
 LANE_LINES = 8
 
 # Limiter block: config lines written by the pool holding LOCK_LIMITER, then one samples counter
@@ -80,7 +82,8 @@ LIM_MAX_DIFF = 4  # f64 bits
 LIM_MIN_SIZE = 5  # u64
 LIM_INSERTS_BASE = 6  # total committed when the limiter was (re)configured
 LIM_N_SAMPLERS = 7  # sampler counters [0, n) belong to the limiting pool
-LIMITER_CONFIG_LINES = 8
+LIM_QUEUE = 8  # 1: queue mode, a writer waits while its lane holds `capacity` undelivered rows
+LIMITER_CONFIG_LINES = 16
 MAX_SAMPLERS = 64
 
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).

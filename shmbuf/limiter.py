@@ -183,5 +183,16 @@ class LimiterBlock:
     def deactivate(self) -> None:
         q = self._q
         q[self._word(L.LIM_ACTIVE)] = 0
+        q[self._word(L.LIM_QUEUE)] = 0
+        q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
+
+    def queue_active(self) -> bool:
+        return self._q[self._word(L.LIM_QUEUE)] == 1
+
+    def set_queue(self, on: bool) -> None:
+        """Queue mode on or off (the holder of LOCK_LIMITER only): writers then wait while
+        their lane holds ``capacity`` rows not yet delivered (``LANE_RELEASED``)."""
+        q = self._q
+        q[self._word(L.LIM_QUEUE)] = 1 if on else 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
 

@@ -146,7 +146,10 @@ class PlanReader:
             ok &= same[:, j0 + 1]
         if self.stack_offs is not None:
             cols_idx = j0 + self.stack_offs
-            ok_s, smask = stack_mask(step0, self.stack_offs, same[:, cols_idx])
+            # Frames are steps: an episode's FINAL row (derived next_obs) is not a look-ahead
+            # frame, so both next_obs modes stack the same frames, and fields other than obs
+            # (zero in a FINAL row) are never marked valid there.
+            ok_s, smask = stack_mask(step0, self.stack_offs, trans[:, cols_idx])
             ok &= ok_s
             for f in self.c.plan.stack_fields:
                 masks[f"{f}_mask"] = smask

@@ -313,7 +313,7 @@ class Segment:
         ``size_of(json_len)`` returns the total size for a layout JSON of that many bytes.
         """
         bare = normalize_name(name) if name is not None else new_name(
-            "buf" if kind == L.KIND_BUFFER else "staging"
+            {L.KIND_BUFFER: "buf", L.KIND_STAGING: "staging"}.get(kind, "prio")
         )
         payload = L.encode_layout(doc)
         size = int(size_of(len(payload)))
@@ -480,7 +480,8 @@ class Segment:
             os.close(fd)
 
 
-_KIND_NAMES = {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring"}
+_KIND_NAMES = {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring",
+               L.KIND_PRIORITY: "priority table"}
 
 
 def unlink(name: str) -> bool:

@@ -77,8 +77,10 @@ class VectorWriter:
 
     def _make_room(self, n: int) -> None:
         self._heartbeat_v[self.lanes] = time.time_ns()
-        room, self._lim_gen = wait_for_room(self._buf, n, self.timeout, self._check_open,
-                                            f"lanes {self.lanes.tolist()}")
+        room, self._lim_gen = wait_for_room(self._buf, n // self.num_envs or 1, self.timeout,
+                                            self._check_open, f"lanes {self.lanes.tolist()}",
+                                            self.lanes)
+        room *= self.num_envs
         self._room_until = self._rows + room
 
     def _put(self, slots: np.ndarray, index: np.ndarray, lanes: np.ndarray, rows: list[Any],
@@ -123,8 +125,9 @@ class VectorWriter:
         id, -1 where nothing ended.
         """
         self._check_open()
-        mask = np.broadcast_to(np.asarray(env_mask, bool), (self.num_envs,)) & (self._step > 0)
-        trunc = np.broadcast_to(np.asarray(truncated, bool), (self.num_envs,))
+        mask = self._per_env("env_mask", np.asarray(env_mask, bool), (self.num_envs,))
+        mask = mask & (self._step > 0)
+        trunc = self._per_env("truncated", np.asarray(truncated, bool), (self.num_envs,))
         values = self._episode_values(episode_data)
         ended = np.where(mask, self.episode, -1)
         if not mask.any():
@@ -158,9 +161,19 @@ class VectorWriter:
                     f"end_episode(): unknown episode field {name!r}; the episode spec has "
                     f"{', '.join(spec)}"
                 )
-            full[name] = np.broadcast_to(np.asarray(value), full[name].shape)
+            full[name] = self._per_env(name, np.asarray(value), full[name].shape)
         return self._episode_checker.check_batch(
             {k: np.ascontiguousarray(v) for k, v in full.items()})[1]
+
+    def _per_env(self, name: str, value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """``value`` broadcast to ``shape`` (``[num_envs, ...]``), or SpecMismatchError."""
+        try:
+            return np.broadcast_to(value, shape)
+        except ValueError:
+            raise SpecMismatchError(
+                f"end_episode(): {name} has shape {value.shape}; expected one value per env "
+                f"{shape} (num_envs={self.num_envs}) or one value for all envs"
+            ) from None
 
     def _write_final_rows(self, envs: np.ndarray) -> None:
         n = envs.size

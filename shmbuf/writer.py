@@ -25,35 +25,55 @@ ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when 
 
 
 def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callable[[], None],
-                  who: str) -> tuple[int, int]:
-    """Wait until ``n`` more rows may be inserted; return (rows allowed before the next check,
-    the limiter generation read).
+                  who: str, lanes: Any) -> tuple[int, int]:
+    """Wait until ``n`` more rows may be inserted into each of ``lanes``; return (rows allowed
+    per lane before the next check, the limiter generation read).
+
+    Two limits apply when a pool sets them: the samples-per-insert ratio, and queue mode (a
+    lane may hold at most ``capacity`` rows not yet delivered). Both are lifted at once if the
+    pool that set them dies.
 
     Raises:
         RateLimitTimeout: not within ``timeout`` (nothing was written).
-        ValueError: ``n`` rows can never fit under the configured ratio.
+        ValueError: ``n`` rows can never fit.
     """
     lim = buf._limiter
     deadline = time.monotonic() + timeout
     pause = 5e-5
     while True:
         gen, limit, base, n_samplers = lim.read()
-        if limit is None:
+        queue = lim.queue_active()
+        if limit is None and not queue:
             return max(4 * n, ROOM_CHECK_EVERY), gen
-        inserts = lim.total_committed() - base
-        samples = lim.samples(n_samplers)
-        allowed = limit.inserts_allowed(inserts, samples)
-        if allowed >= n:
+        room, why = 1 << 62, ""  # rows the limits allow now
+        if queue:
+            if n > buf.capacity:
+                raise ValueError(
+                    f"{n} rows at once can never fit a queue of {buf.capacity} rows per lane. "
+                    f"Fix: split the batch"
+                )
+            undelivered = buf._committed_v[lanes] - buf._lane_words[lanes, L.LANE_RELEASED, 0]
+            room = min(room, int(buf.capacity - undelivered.max()))
+            why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
+        if limit is not None:
+            inserts = lim.total_committed() - base
+            samples = lim.samples(n_samplers)
+            allowed = limit.inserts_allowed(inserts, samples)
+            if allowed < n and inserts + n > limit.min_size and n > limit.max_insert_chunk():
+                raise ValueError(
+                    f"{n} rows at once can never pass the rate limiter: with samples_per_insert="
+                    f"{limit.samples_per_insert} and tolerance {limit.tolerance}, at most "
+                    f"{limit.max_insert_chunk()} rows fit at once. Fix: split the batch, or "
+                    f"raise the tolerance"
+                )
             # Share the headroom with the other lanes' writers: the ratio then holds to within
             # about one insert per writer without any cross-process lock.
-            return max(n, min(allowed // buf.lanes, ROOM_CHECK_EVERY)), gen
-        if inserts + n > limit.min_size and n > limit.max_insert_chunk():
-            raise ValueError(
-                f"{n} rows at once can never pass the rate limiter: with samples_per_insert="
-                f"{limit.samples_per_insert} and tolerance {limit.tolerance}, at most "
-                f"{limit.max_insert_chunk()} rows fit at once. Fix: split the batch, or raise "
-                f"the tolerance"
-            )
+            room = min(room, max(allowed // buf.lanes, min(allowed, n)))
+            if allowed < n:
+                why = (f"inserts {inserts}, samples {samples}, samples_per_insert "
+                       f"{limit.samples_per_insert}: the samplers are not keeping up")
+        if room >= n:
+            return min(room, max(n, ROOM_CHECK_EVERY)), gen
         if not buf._seg.probe(L.LOCK_LIMITER):
             # The pool that set the limit died without lifting it: nobody samples any more.
             return n, gen
@@ -61,10 +81,8 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
         now = time.monotonic()
         if now >= deadline:
             raise RateLimitTimeout(
-                f"{who}: waited {timeout}s for the rate limiter to allow {n} insert(s) (inserts "
-                f"{inserts}, samples {samples}, samples_per_insert {limit.samples_per_insert}); "
-                f"the samplers are not keeping up. Nothing was written. Fix: a larger timeout, "
-                f"more sampling, or a larger tolerance"
+                f"{who}: waited {timeout}s for room for {n} row(s): {why}. Nothing was written. "
+                f"Fix: a larger timeout, more sampling, or a larger tolerance"
             )
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 2e-3)
@@ -99,6 +117,9 @@ class Writer:
         self._lease = lease
         self.timeout = _timeout("insert_timeout", insert_timeout)
         self._closed_reason: str | None = None
+        # Optional: a blocking add/extend gives up (ClosedError) once this returns true; an
+        # ActorContext sets it so that stopping an actor also ends a wait on the rate limiter.
+        self.stop_when: Callable[[], bool] | None = None
         lay, q = buf._layout, buf._q
         C = lay.capacity
         self._C = C
@@ -174,8 +195,11 @@ class Writer:
         raise ClosedError(f"writer of lane {self.lane} is closed ({self._closed_reason})")
 
     def _check_open(self) -> None:
+        """Called while waiting (rate limiter): closed, or asked to stop by ``stop_when``."""
         if self._closed_reason is not None:
             self._raise_closed()
+        if self.stop_when is not None and self.stop_when():
+            raise ClosedError(f"writer of lane {self.lane}: stopped while waiting for room")
 
     # -- hot path ----------------------------------------------------------------------------------------
     def add(self, **fields: Any) -> int:
@@ -332,7 +356,7 @@ class Writer:
         """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
         self._q[self._w_heartbeat] = time.time_ns()
         room, self._lim_gen = wait_for_room(self._buf, n, timeout, self._check_open,
-                                            f"lane {self.lane}")
+                                            f"lane {self.lane}", [self.lane])
         self._room_until = self._next + room
 
     # -- teardown ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import multiprocess
 import numpy as np
 
 from shmbuf import ReplayBuffer, Writer
-from shmbuf.errors import ActorError
+from shmbuf.errors import ActorError, ClosedError
 
 from .supervise import RestartBudget, describe_exit, stop_process
 
@@ -79,12 +79,18 @@ def actor_main(fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int, inca
                seed: np.random.SeedSequence, conn: Any, lane_timeout: float) -> None:
     """Entry point of an actor process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us on Ctrl-C
-    buf = None
+    buf = ctx = None
     try:
         fn = cloudpickle.loads(fn_bytes)
         buf = ReplayBuffer.attach(buffer_name)
         with buf.writer(lane=lane, timeout=lane_timeout) as writer:
-            fn(ActorContext(writer, buf, actor_id, lane, incarnation, seed, conn))
+            ctx = ActorContext(writer, buf, actor_id, lane, incarnation, seed, conn)
+            writer.stop_when = lambda: ctx.stopping  # a stop also ends a rate-limiter wait
+            try:
+                fn(ctx)
+            except ClosedError:
+                if not ctx._stop:
+                    raise
         conn.send(("done", None))
     except BaseException:
         try:

@@ -31,6 +31,7 @@ from shmbuf.errors import (
     WorkerError,
 )
 from shmbuf.limiter import RateLimit
+from shmbuf.priority import PriorityTable, importance_weights
 from shmbuf.sampling.plan import Plan
 
 from .batch import Batch
@@ -38,8 +39,10 @@ from .channel import Channel
 from .sampler_proc import (
     OP_ERROR,
     OP_FILL,
+    OP_GATHER,
     OP_HELLO,
     OP_READY,
+    OP_STALE,
     OP_STOP,
     SamplerConfig,
     can_sample,
@@ -51,12 +54,15 @@ from .staging import (
     HELD,
     INDICES,
     LANES,
+    PMIN,
+    PROBS,
     WEIGHTS,
     W_GENERATION,
     W_OWNER,
     W_STATE,
     StagingRing,
 )
+from .selection import CountedSelection, QueueSelection
 from .supervise import RestartBudget, describe_exit, self_inflicted, stop_process
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
@@ -87,7 +93,9 @@ class _WorkerHandle:
         self.proc: Any = None
         self.chan: Channel | None = None
         self.hello = False
-        self.assigned: set[int] = set()  # told to fill, not reported ready yet
+        # Told to fill, not reported ready yet; a dict for its order: after a death the lost
+        # slots are handed out again in the order they were first assigned.
+        self.assigned: dict[int, None] = {}
         self.ready: collections.deque[int] = collections.deque()
         self.startup_failures = 0
         self.batches = 0
@@ -121,6 +129,16 @@ class SamplerPool:
         pin_memory: with output="torch" and CUDA, page-lock the staging ring so
             ``tensor.to("cuda", non_blocking=True)`` is asynchronous.
         max_restarts_per_minute: restart budget for dead workers (a rate, not a total).
+        sampler: "uniform"; "prioritized" (proportional to priorities from a sum tree in
+            shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
+            weights; ``update_priorities`` sets new ones); or "queue" (every transition
+            delivered exactly once, oldest first, writers waiting while the queue is full).
+        alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
+        beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
+            schedule over the batches delivered, or a callable ``f(batches) -> beta``.
+        max_times_sampled: retire a transition after it was delivered this many times.
+        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches, see
+            ``shmbuf.sampling.Plan`` (uniform sampling only).
 
     Concurrency: the learner (this process) owns the staging segment and assigns each slot to
     one worker at a time; the worker writes the slot and then announces it; only then does the
@@ -153,6 +171,11 @@ class SamplerPool:
         fields: list[str] | None = None,
         transform_spec: dict[str, Any] | None = None,
         plan: Plan | None = None,
+        sampler: str = "uniform",
+        alpha: float = 0.6,
+        beta: Any = 0.4,
+        eps: float = 1e-6,
+        max_times_sampled: int | None = None,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -166,6 +189,10 @@ class SamplerPool:
         self._views: list[dict[str, Any]] = []
         self._local: dict[str, np.ndarray] = {}
         self._held: Batch | None = None
+        self._table: PriorityTable | None = None
+        self._select: Any = None
+        self._opts = dict(sampler=sampler, alpha=alpha, beta=beta, eps=eps,
+                          max_times_sampled=max_times_sampled)
         try:
             if plan is None:
                 plan = Plan(**plan_kwargs)
@@ -211,6 +238,7 @@ class SamplerPool:
         self._ctx = multiprocess.get_context(start_method)
         self.start_method = self._ctx.get_start_method()
 
+        self._setup_selection()
         # The transform is serialised here, so an unpicklable one fails at the call site.
         _check_picklable(transform)
         out_arrays = self._output_arrays(transform, transform_spec)
@@ -219,6 +247,8 @@ class SamplerPool:
             buffer=buf.name, staging="", batch_size=self.batch_size, fields=self._fields,
             out_fields=self._out_fields, transform=transform, min_size=self.min_size,
             rate_limited=self._limit is not None, plan=self._compiled.plan,
+            priority_table=(self._table.name if self._table is not None and self._select is None
+                            else None),
         )
         index_shape = (self.batch_size, *self._compiled.index_shape)
 
@@ -229,6 +259,8 @@ class SamplerPool:
             self._local_idx = np.zeros(index_shape, np.int64)
             self._local_lanes = np.zeros(self.batch_size, np.int64)
             self._local_w = np.ones(self.batch_size, np.float32)
+            self._local_probs = np.zeros(self.batch_size, np.float64)
+            self._local_pmin = np.zeros(1, np.float64)
             self._local_scratch = (
                 self._compiled.allocate(self.batch_size) if transform is not None else None
             )
@@ -237,7 +269,8 @@ class SamplerPool:
         else:
             arrays = [(n, (self.batch_size, *s), d) for n, s, d in out_arrays]
             arrays += [(INDICES, index_shape, np.int64), (LANES, (self.batch_size,), np.int64),
-                       (WEIGHTS, (self.batch_size,), np.float32)]
+                       (WEIGHTS, (self.batch_size,), np.float32),
+                       (PROBS, (self.batch_size,), np.float64), (PMIN, (1,), np.float64)]
             self._ring = StagingRing.create(
                 arrays, n_staging, {"buffer": buf.name, "batch_size": self.batch_size})
             for s in range(n_staging):
@@ -245,9 +278,13 @@ class SamplerPool:
             cfg.staging = self._ring.name
             self._cfg_bytes = cloudpickle.dumps(cfg)
         self._gen = [0] * n_staging
+        self._slot_rows: dict[int, Any] = {}  # learner-selected rows of each assigned slot
+        self._waiting: list[int] = []  # slots with no rows to select yet
+        self._sel_rng = np.random.default_rng(self._seed.spawn(1)[0])
+        self._recent: collections.deque[tuple[int, np.ndarray]] = collections.deque(maxlen=8)
         self._views = self._make_views(pin_memory)
         self._ready: collections.deque[tuple[int, int]] = collections.deque()  # (wid, slot)
-        self._turn = 0
+        self._order: collections.deque[int] = collections.deque()  # slots in assignment order
         self._held: Batch | None = None
         self._failure: BaseException | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -269,7 +306,42 @@ class SamplerPool:
                 self._workers.append(_WorkerHandle(wid, slots))
             children = self._seed.spawn(n_workers)
             for w, child in zip(self._workers, children):
-                self._start_worker(w, child, w.slots)
+                self._start_worker(w, child, [])
+            # Slots in order, so worker s % n gets slot s: the same round-robin that ordered
+            # delivery follows, so batches leave in the order they were assigned.
+            for slot in range(n_staging):
+                self._assign(self._workers[slot % n_workers], slot)
+
+    def _setup_selection(self) -> None:
+        opts, buf = self._opts, self._buf
+        sampler, k = opts["sampler"], opts["max_times_sampled"]
+        if sampler not in ("uniform", "prioritized", "queue"):
+            raise ValueError(f"sampler must be 'uniform', 'prioritized' or 'queue', got {sampler!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"max_times_sampled must be a positive int, got {k!r}")
+        self._beta = _beta_schedule(opts["beta"])
+        if sampler == "uniform" and k is None:
+            return
+        c = self._compiled
+        if not c.plan.is_plain or c.derived_next_obs:
+            raise ValueError(
+                f"sampler={sampler!r} and max_times_sampled draw single stored transitions; "
+                f"sequence, frame-stack and n-step plans (and derived next_obs) sample uniformly"
+            )
+        if sampler == "queue":
+            if k not in (None, 1):
+                raise ValueError("sampler='queue' delivers each transition exactly once; drop "
+                                 f"max_times_sampled={k}")
+            if self._limit is not None:
+                raise ValueError("sampler='queue' is its own rate limiter (writers wait while the "
+                                 "queue is full): drop samples_per_insert")
+            self._take_limiter(configure=False)
+            self._select = QueueSelection(buf)
+            self.ordered = True  # batches leave in the order their rows were taken
+            return
+        self._table = PriorityTable.create(buf, opts["alpha"], opts["eps"])
+        if k is not None:
+            self._select = CountedSelection(buf, self._table, k, uniform=(sampler == "uniform"))
 
     def _output_arrays(self, transform: Any, transform_spec: dict[str, Any] | None):
         base = list(self._compiled.outputs)
@@ -300,16 +372,19 @@ class SamplerPool:
             out.append((str(name), arr.shape[1:], arr.dtype))
         return out
 
-    def _take_limiter(self) -> None:
+    def _take_limiter(self, configure: bool = True) -> None:
         buf = self._buf
         lease = buf._seg.lease()
         if not lease.try_lock(L.LOCK_LIMITER):
             lease.close()
             raise ShmbufError(
                 f"another SamplerPool already rate-limits buffer {buf.name!r}; only one pool "
-                f"may set samples_per_insert on a buffer at a time"
+                f"may set samples_per_insert or sampler='queue' on a buffer at a time"
             )
         self._limiter_lease = lease
+        if not configure:  # queue mode: no ratio; stats count inserts from now
+            self._committed0 = int(buf.committed().sum())
+            return
         credit = min(len(buf), self._limit.min_size)
         buf._limiter.configure(self._limit, max(1, self.n_workers), credit=credit)
         # stats() counts inserts from the very total the limiter counts from: rows written
@@ -375,19 +450,50 @@ class SamplerPool:
             self._poller.register(fd, _READABLE)
             self._fd_owner[fd] = (kind, w)
         for s in fill:
-            self._assign(w, s)
+            self._assign(w, s, requeue=False)
 
-    def _assign(self, w: _WorkerHandle, slot: int) -> None:
+    def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
+        """Hand ``slot`` to ``w``: to sample (``FILL``), or with learner-selected rows written
+        into it (``GATHER``). Rows already selected for the slot are kept: after a worker death
+        the same rows are gathered again, so queue mode still delivers each exactly once."""
         ring = self._ring
+        op = OP_FILL
+        if self._select is not None:
+            rows = self._slot_rows.get(slot)
+            if rows is None:
+                rows = self._select.select(self.batch_size, self._sel_rng)
+                if rows is None:  # nothing to select now: retried from next()
+                    ring.set(slot, W_STATE, FREE)
+                    ring.set(slot, W_OWNER, -1)
+                    self._waiting.append(slot)
+                    return
+                self._slot_rows[slot] = rows
+                if isinstance(self._select, QueueSelection):
+                    self._select.track(slot, rows)
+            v = ring.slot(slot)
+            v[LANES][...], v[INDICES][...] = rows[0], rows[1]
+            if rows[2] is not None:
+                v[PROBS][...], v[PMIN][0] = rows[2], rows[3]
+            op = OP_GATHER
         self._gen[slot] += 1
         ring.set(slot, W_GENERATION, self._gen[slot])
         ring.set(slot, W_OWNER, w.wid)
         ring.set(slot, W_STATE, ASSIGNED)
-        w.assigned.add(slot)
+        w.assigned[slot] = None
+        if requeue and self.ordered:
+            self._order.append(slot)  # (a slot handed out again keeps its place)
         try:
-            w.chan.send(OP_FILL, slot, self._gen[slot])
+            w.chan.send(op, slot, self._gen[slot])
         except OSError:
             pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def _retry_waiting(self) -> None:
+        for slot in self._waiting[:]:
+            self._waiting.remove(slot)
+            w = self._workers[slot % self.n_workers]
+            self._assign(w, slot)
+            if self._waiting and self._waiting[-1] == slot:
+                break  # still nothing to select; the others would find nothing either
 
     def _receive(self, w: _WorkerHandle) -> None:
         """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
@@ -395,10 +501,18 @@ class SamplerPool:
         for op, slot, gen, text in msgs:
             if op == OP_READY:
                 if slot in w.assigned and gen == self._gen[slot]:
-                    w.assigned.discard(slot)
+                    w.assigned.pop(slot, None)
                     w.ready.append(slot)
                     self._ready.append((w.wid, slot))
                     w.batches += 1
+                    if self._select is not None:
+                        self._select.gathered(slot)
+            elif op == OP_STALE:  # learner-selected rows were overwritten before the gather
+                if slot in w.assigned and gen == self._gen[slot]:
+                    w.assigned.pop(slot, None)
+                    self._select.stale(self._slot_rows.pop(slot))
+                    self._select.gathered(slot)
+                    self._assign(w, slot, requeue=False)
             elif op == OP_HELLO:
                 w.hello = True
                 w.startup_failures = 0
@@ -419,7 +533,7 @@ class SamplerPool:
             self._poller.unregister(fd)
             self._fd_owner.pop(fd, None)
         w.chan.close()
-        lost = sorted(w.assigned)
+        lost = list(w.assigned)
         for s in lost:  # half-filled or never started: nobody writes them any more
             self._gen[s] += 1
             self._ring.set(s, W_GENERATION, self._gen[s])
@@ -472,6 +586,8 @@ class SamplerPool:
         timeout = self.timeout if timeout is None else _seconds("timeout", timeout)
         if self._held is not None:
             self._held.release()
+        if self._table is not None and self._select is None:
+            self._table.sync(self._buf)  # new rows enter at the maximum priority
         t0 = time.perf_counter()
         try:
             if self._ring is None:
@@ -498,19 +614,24 @@ class SamplerPool:
             slot = self._pop_ready()
             if slot is not None:
                 return self._hold(slot)
+            if self._waiting:
+                self._retry_waiting()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
-            self._poll(min(remaining, POLL_SLICE))
+            self._poll(min(remaining, 0.002 if self._waiting else POLL_SLICE))
 
     def _pop_ready(self) -> int | None:
-        if self.ordered:
-            w = self._workers[self._turn]
-            if not w.ready:
+        if self.ordered:  # the oldest assignment first, once it is ready
+            if not self._order:
                 return None
-            slot = w.ready.popleft()
+            slot = self._order[0]
+            w = self._workers[slot % self.n_workers]
+            if slot not in w.ready:
+                return None
+            self._order.popleft()
+            w.ready.remove(slot)
             self._ready.remove((w.wid, slot))
-            self._turn = (self._turn + 1) % self.n_workers
             return slot
         if not self._ready:
             return None
@@ -539,11 +660,17 @@ class SamplerPool:
     def _hold(self, slot: int) -> Batch:
         if self._ring is not None:
             self._ring.set(slot, W_STATE, HELD)
+        if self._table is not None:  # importance weights with this batch's beta
+            nv = self._ring.slot(slot) if self._ring is not None else self._local_arrays()
+            nv[WEIGHTS][...] = importance_weights(nv[PROBS], float(nv[PMIN][0]),
+                                                  self._beta(self._batches))
         v = self._views[slot]
         batch = Batch(
             {n: v[n] for n in self._out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
             self._release_batch, slot, self._gen[slot],
         )
+        if self._table is not None:
+            self._recent.append((id(v[INDICES]), np.array(v[LANES])))
         self._held = batch
         return batch
 
@@ -551,39 +678,92 @@ class SamplerPool:
         if batch is not self._held:
             return
         self._held = None
+        self._slot_rows.pop(batch.slot, None)
         if self._closed or self._ring is None or self._failure is not None:
             return
-        w = self._workers[self._ring.get(batch.slot, W_OWNER)]
-        self._assign(w, batch.slot)
+        self._assign(self._workers[batch.slot % self.n_workers], batch.slot)
 
     def _next_in_process(self, timeout: float) -> Batch:
         buf = self._buf
         deadline = time.monotonic() + timeout
         pause = 5e-5
         limiter = buf._limiter if self._limit is not None else None
-        while not can_sample(buf, limiter, self.min_size, self.batch_size):
+        target = self._local if self._transform is None else self._local_scratch
+        out = {n: target[n] for n, _, _ in self._compiled.outputs}
+        while True:
+            rows = None
+            if self._select is not None:
+                rows = self._select.select(self.batch_size, self._sel_rng)
+                if rows is not None:
+                    if buf._gather(rows[0], rows[1], out).all():
+                        self._select.gathered(0)  # in our memory now: writers may reuse slots
+                        break
+                    self._select.stale(rows)  # overwritten meanwhile: select again
+                    continue
+            elif can_sample(buf, limiter, self.min_size, self.batch_size):
+                break
             now = time.monotonic()
             if now >= deadline:
                 raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
             time.sleep(min(pause, deadline - now))
             pause = min(pause * 2, 2e-3)
             self._check_open()  # close() from another thread ends the wait
-        target = self._local if self._transform is None else self._local_scratch
-        draw = buf.sample_into({n: target[n] for n, _, _ in self._compiled.outputs}, self._rng,
-                               plan=self._compiled)
+        if rows is not None:
+            lanes, indices, probs, pmin = rows
+        else:
+            sampler = self._table.draw if self._table is not None else None
+            draw = (buf.sample_into(out, self._rng, sampler=sampler) if sampler is not None
+                    else buf.sample_into(out, self._rng, plan=self._compiled))
+            lanes, indices, probs, pmin = draw.lanes, draw.indices, draw.probs, draw.pmin
         if self._transform is not None:
             batch = dict(self._local_scratch)
             result = self._transform(batch)
             result = batch if result is None else result
             for name in self._out_fields:
                 np.copyto(self._local[name], np.asarray(result[name]), casting="same_kind")
-        self._local_idx[...] = draw.indices
-        self._local_lanes[...] = draw.lanes
+        self._local_idx[...] = indices
+        self._local_lanes[...] = lanes
+        if probs is not None:
+            self._local_probs[...], self._local_pmin[0] = probs, pmin
         if limiter is not None:
             q = buf._q
             c = limiter.counter_index(0)
             q[c] = q[c] + self.batch_size
         return self._hold(0)
+
+    def _local_arrays(self) -> dict[str, np.ndarray]:
+        return {WEIGHTS: self._local_w, PROBS: self._local_probs, PMIN: self._local_pmin}
+
+    # -- priorities -------------------------------------------------------------------------------
+    def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None) -> int:
+        """Set new priorities (e.g. |TD error|) for rows of delivered batches.
+
+        ``indices`` are ``batch.indices``: each carries the logical position (generation) it
+        was sampled at, so an update for a row overwritten since is dropped, never applied to
+        the new data. ``lanes`` is ``batch.lanes`` (found automatically when ``indices`` is
+        the ``batch.indices`` array of one of the last 8 batches, or the buffer has one lane).
+        Returns how many priorities were applied.
+
+        Raises:
+            InvalidPriorityError: a priority is NaN, infinite or negative (nothing applied).
+        """
+        self._check_open()
+        if self._table is None:
+            raise ShmbufError(
+                "update_priorities() needs a prioritized pool: SamplerPool(..., "
+                "sampler='prioritized')"
+            )
+        if lanes is None:
+            if self._buf.lanes == 1:
+                lanes = 0
+            else:
+                lanes = next((ln for ref, ln in self._recent if ref == id(indices)), None)
+                if lanes is None:
+                    raise ValueError(
+                        "pass lanes=batch.lanes: the buffer has several lanes and these indices "
+                        "are not the indices array of a recent batch"
+                    )
+        return self._table.update(lanes, indices, priorities)
 
     def _waiting_for(self) -> str:
         buf = self._buf
@@ -679,6 +859,12 @@ class SamplerPool:
             if w.chan is not None:
                 w.chan.close()
         self._workers = []
+        if self._select is not None and not self._buf.closed:
+            self._select.close()
+        self._select = None
+        if self._table is not None:
+            self._table.close()
+            self._table = None
         if self._limiter_lease is not None:
             if not self._buf.closed:
                 self._buf._limiter.deactivate()
@@ -776,6 +962,21 @@ def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> Rate
             f"tolerance of at least the ratio, e.g. ({ratio:g}, {max(ratio, 4 * batch_size):g})"
         )
     return RateLimit(min_size, ratio, tolerance)
+
+
+def _beta_schedule(beta: Any) -> Any:
+    """beta as a function of batches delivered: a number, (start, end, n) linear, a callable."""
+    if callable(beta):
+        return beta
+    if isinstance(beta, (tuple, list)):
+        start, end, n = beta
+        if n <= 0:
+            raise ValueError(f"beta schedule (start, end, n_batches) needs n_batches > 0, got {n}")
+        return lambda step: start + (end - start) * min(1.0, step / n)
+    b = float(beta)
+    if not 0 <= b <= 1:
+        raise ValueError(f"beta must be in [0, 1] (or a schedule), got {beta!r}")
+    return lambda step: b
 
 
 def _callable_name(fn: Any) -> str:

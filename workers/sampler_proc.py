@@ -1,9 +1,11 @@
 """The sampler worker process: fills staging slots the learner assigns to it, one batch each.
 
 Protocol with the learner, over this worker's own socketpair (``channel.Channel`` records):
-learner -> worker ``FILL(slot, generation)`` or ``STOP``; worker -> learner ``HELLO`` once set up,
-``READY(slot, generation)`` after a slot is completely written, ``ERROR(traceback)`` when user
-code fails. A slot is only ever announced after its last byte is written, so a worker killed
+learner -> worker ``FILL(slot, generation)`` (draw and gather a batch), ``GATHER(slot,
+generation)`` (gather the rows the learner wrote into the slot's index arrays) or ``STOP``;
+worker -> learner ``HELLO`` once set up, ``READY(slot, generation)`` after a slot is completely
+written, ``STALE(slot, generation)`` when a row to gather was overwritten first, ``ERROR
+(traceback)`` when user code fails. A slot is only ever announced after its last byte is written, so a worker killed
 mid-fill can never hand over a half-filled batch.
 
 The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
@@ -27,9 +29,23 @@ from shmbuf import ReplayBuffer
 from shmbuf.errors import SamplingError
 
 from .channel import Channel
-from .staging import FILLING, INDICES, LANES, READY, W_OWNER, W_SEQ, W_STATE, StagingRing
+from shmbuf.priority import PriorityTable
 
-OP_HELLO, OP_READY, OP_ERROR, OP_FILL, OP_STOP = 1, 2, 3, 10, 11
+from .staging import (
+    FILLING,
+    INDICES,
+    LANES,
+    PMIN,
+    PROBS,
+    READY,
+    W_OWNER,
+    W_SEQ,
+    W_STATE,
+    StagingRing,
+)
+
+OP_HELLO, OP_READY, OP_ERROR, OP_STALE = 1, 2, 3, 4
+OP_FILL, OP_STOP, OP_GATHER = 10, 11, 12  # GATHER: the learner wrote the rows into the slot
 LIVENESS_EVERY = 0.5
 SAMPLING_ERRORS_BEFORE_REPORT = 10
 
@@ -47,6 +63,7 @@ class SamplerConfig:
     min_size: int = 1
     rate_limited: bool = False
     plan: Any = None  # shmbuf.sampling.Plan
+    priority_table: str | None = None  # workers draw from it (read-only) when set
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +117,7 @@ class _Worker:
         self.next_liveness = time.monotonic() + LIVENESS_EVERY
         self.limiter = self.buf._limiter if cfg.rate_limited else None
         self.counter = self.limiter.counter_index(worker_id) if self.limiter else -1
+        self.table = PriorityTable.attach(cfg.priority_table) if cfg.priority_table else None
         self.transform = cfg.transform
         self.compiled = self.buf.compile(cfg.plan, cfg.fields)
         names = [n for n, _, _ in self.compiled.outputs]
@@ -139,11 +157,18 @@ class _Worker:
                 return
             if op == OP_FILL:
                 self._fill(slot, gen)
+            elif op == OP_GATHER:
+                self._fill(slot, gen, given=True)
 
     # -- filling --------------------------------------------------------------------------------
+    def _ready_to_sample(self) -> bool:
+        if self.table is not None and not self.table.sums[:, 1].sum() > 0:
+            return False  # the learner has not entered any row's priority yet
+        return can_sample(self.buf, self.limiter, self.cfg.min_size, self.batch_size)
+
     def _wait_can_sample(self) -> None:
         pause = 5e-5
-        while not can_sample(self.buf, self.limiter, self.cfg.min_size, self.batch_size):
+        while not self._ready_to_sample():
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
             self._check_learner()
@@ -151,15 +176,26 @@ class _Worker:
             if any(op == OP_STOP for op, _, _ in self.pending):
                 raise LearnerGone  # asked to stop while waiting: nothing half-written
 
-    def _fill(self, slot: int, gen: int) -> None:
-        self._wait_can_sample()
+    def _fill(self, slot: int, gen: int, given: bool = False) -> None:
+        if not given:
+            self._wait_can_sample()
         ring = self.ring
         ring.set(slot, W_OWNER, self.wid)
         ring.set(slot, W_STATE, FILLING)
         views = ring.slot(slot)
-        draw = self._sample(slot, views)
-        views[INDICES][...] = draw.indices
-        views[LANES][...] = draw.lanes
+        if given:
+            if not self._gather_given(slot, views):
+                try:
+                    self.chan.send(OP_STALE, slot, gen)
+                except OSError:
+                    raise LearnerGone from None
+                return
+        else:
+            draw = self._sample(slot, views)
+            views[INDICES][...] = draw.indices
+            views[LANES][...] = draw.lanes
+            if draw.probs is not None:
+                views[PROBS][...], views[PMIN][0] = draw.probs, draw.pmin
         if self.limiter is not None:
             q = self.buf._q
             q[self.counter] = q[self.counter] + self.batch_size
@@ -171,15 +207,30 @@ class _Worker:
         except OSError:
             raise LearnerGone from None
 
+    def _gather_given(self, slot: int, views: dict[str, np.ndarray]) -> bool:
+        """Gather the rows the learner chose; False if one was overwritten first."""
+        target = self.targets[slot] if self.transform is None else self.scratch
+        if not self.buf._gather(views[LANES].copy(), views[INDICES].copy(), target).all():
+            return False
+        self._apply_transform(views)
+        return True
+
     def _sample(self, slot: int, views: dict[str, np.ndarray]) -> Any:
         target = self.targets[slot] if self.transform is None else self.scratch
         for attempt in range(SAMPLING_ERRORS_BEFORE_REPORT):
             try:
-                draw = self.buf.sample_into(target, self.rng, plan=self.compiled)
+                if self.table is not None:
+                    draw = self.buf.sample_into(target, self.rng, sampler=self.table.draw)
+                else:
+                    draw = self.buf.sample_into(target, self.rng, plan=self.compiled)
                 break
             except SamplingError:
                 if attempt == SAMPLING_ERRORS_BEFORE_REPORT - 1:
                     raise
+        self._apply_transform(views)
+        return draw
+
+    def _apply_transform(self, views: dict[str, np.ndarray]) -> None:
         if self.transform is not None:
             batch = dict(self.scratch)
             result = self.transform(batch)
@@ -193,12 +244,14 @@ class _Worker:
                         f"result had {dst.shape}: a transform must keep shapes and dtypes fixed"
                     )
                 np.copyto(dst, value, casting="same_kind")
-        return draw
 
     def close(self) -> None:
         self.targets = []
         self.scratch = None
-        for closer in (self.ring.close, self.buf.close):
+        closers = [self.ring.close, self.buf.close]
+        if self.table is not None:
+            closers.insert(0, self.table.close)
+        for closer in closers:
             try:
                 closer()
             except Exception:

@@ -32,6 +32,7 @@ CONTROL_LINES = 4
 
 # Arrays every slot carries besides the batch's fields.
 INDICES, LANES, WEIGHTS = "_indices", "_lanes", "_weights"
+PROBS, PMIN = "_probs", "_pmin"  # prioritized draws: probability of each row, smallest overall
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ class Draw:
 
     lanes: np.ndarray  # int64 [B]
     indices: np.ndarray  # int64 [B]
+    probs: np.ndarray | None = None  # float64 [B]: probability each row was drawn with
+    pmin: float = 0.0  # smallest probability of any row at draw time (importance weights)
 
 
 def lane_of(windows: Windows, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,8 @@ def stack_mask(
     is ``end_step``; ``same[b, w]`` says the row at that offset is readable and in the episode.
 
     Backward frames are the episode's iff ``end_step + offset >= 0``; if such a frame is not
-    readable, the stack cannot be rebuilt (ok False). Forward frames count only if readable.
+    readable, the stack cannot be rebuilt (ok False). Forward frames count only if readable
+    (``same`` must then exclude an episode's FINAL row: it holds no step).
     """
     back = offsets[None, :] <= 0
     in_episode = (end_step[:, None] + offsets[None, :]) >= 0

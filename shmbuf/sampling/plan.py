@@ -142,8 +142,9 @@ def compile_plan(plan: Plan, spec: Any, derived_next_obs: bool,
         return Compiled(plan, tuple(read), derived_next_obs, want_next, tuple(outputs), (T,))
 
     width = plan.frame_stack + plan.frame_lookahead
-    for f in plan.stack_fields:
-        need(f, "frame_stack")
+    if plan.stacks:
+        for f in plan.stack_fields:
+            need(f, "frame_stack")
     if plan.n_step > 1:
         need(plan.reward_field, "n_step")
         need(plan.terminated_field, "n_step")

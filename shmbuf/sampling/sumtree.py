@@ -1,0 +1,99 @@
+"""Sum and min trees over per-lane leaves, vectorised over batches: pure NumPy, no shared memory.
+
+Each lane has a binary tree in a ``[2P]`` float64 array (P = capacity rounded up to a power of
+two): node 1 is the root, node n's children are 2n and 2n+1, leaf j is node ``P + j``. The sum
+tree holds the sum of its subtree's leaves, the min tree the smallest positive leaf (+inf for
+none). Updates set a batch of leaves and recompute their ancestors level by level, one NumPy
+call per level: O(log P) calls for the whole batch, O(B log P) work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def tree_size(capacity: int) -> int:
+    """P: leaves per lane tree (capacity rounded up to a power of two)."""
+    return 1 << max(0, (int(capacity) - 1).bit_length())
+
+
+def depth(P: int) -> int:
+    return P.bit_length() - 1
+
+
+def new_trees(lanes: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty (sums, mins) trees, ``[lanes, 2P]`` each."""
+    P = tree_size(capacity)
+    return np.zeros((lanes, 2 * P)), np.full((lanes, 2 * P), np.inf)
+
+
+def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.ndarray,
+           values: np.ndarray) -> None:
+    """Set ``values`` (>= 0) at ``leaves`` of ``lanes`` and fix every ancestor.
+
+    Where a (lane, leaf) repeats, the last value wins.
+    """
+    if leaves.size == 0:
+        return
+    twoP = sums.shape[1]
+    P = twoP // 2
+    flat_s, flat_m = sums.reshape(-1), mins.reshape(-1)
+    base = lanes.astype(np.int64) * twoP
+    f = base + P + leaves.astype(np.int64)
+    flat_s[f] = values
+    flat_m[f] = np.where(values > 0, values, np.inf)
+    for _ in range(depth(P)):
+        node = f % twoP
+        parent = np.unique(f - node + node // 2)
+        pnode = parent % twoP
+        left = parent - pnode + 2 * pnode
+        flat_s[parent] = flat_s[left] + flat_s[left + 1]
+        flat_m[parent] = np.minimum(flat_m[left], flat_m[left + 1])
+        f = parent
+
+
+def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
+    """Recompute every internal node from the leaves (O(P) per lane)."""
+    P = sums.shape[1] // 2
+    mins[:, P:] = np.where(sums[:, P:] > 0, sums[:, P:], np.inf)
+    n = P
+    while n > 1:
+        half = n // 2
+        sums[:, half:n] = sums[:, n : 2 * n : 2] + sums[:, n + 1 : 2 * n : 2]
+        mins[:, half:n] = np.minimum(mins[:, n : 2 * n : 2], mins[:, n + 1 : 2 * n : 2])
+        n = half
+
+
+def descend(sums: np.ndarray, lanes: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Leaves whose prefix-sum interval holds ``u`` (each in ``[0, root sum of its lane)``).
+
+    Proportional sampling: with u uniform, leaf j is found with probability value_j / total.
+    """
+    twoP = sums.shape[1]
+    P = twoP // 2
+    flat = sums.reshape(-1)
+    base = lanes.astype(np.int64) * twoP
+    node = np.ones(u.shape, np.int64)
+    u = u.astype(np.float64, copy=True)
+    for _ in range(depth(P)):
+        left = flat[base + 2 * node]
+        right = u >= left
+        u -= np.where(right, left, 0.0)
+        node = 2 * node + right
+    return node - P
+
+
+def sample(sums: np.ndarray, batch: int, rng: np.random.Generator
+           ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(lanes, leaves, total): ``batch`` leaves drawn in proportion to their values, across
+    lanes in proportion to each lane's total. Raises ValueError if every leaf is zero."""
+    roots = sums[:, 1].copy()
+    ends = np.cumsum(roots)
+    total = float(ends[-1])
+    if not total > 0:
+        raise ValueError("every priority is zero")
+    u = rng.random(batch) * total
+    lanes = np.minimum(np.searchsorted(ends, u, side="right"), len(roots) - 1)
+    local = u - (ends[lanes] - roots[lanes])
+    local = np.minimum(local, np.nextafter(roots[lanes], 0))
+    return lanes, descend(sums, lanes, local), total

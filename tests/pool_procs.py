@@ -1,0 +1,433 @@
+"""Self-checking rows, transforms, actor functions and child-process entry points for the tests of
+the ``workers`` package (``test_pool``, ``test_pool_faults``, ``test_actors``, ``test_ratelimit``).
+
+Importable as ``tests.pool_procs`` under every start method, so everything here crosses process
+boundaries by reference. Every row carries its lane, its logical index, a payload and an
+observation derived from (lane, index), and a checksum over both: a learner can verify each
+delivered row against ``batch.lanes`` / ``batch.indices`` and tell a whole row from a torn,
+stale or misplaced one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+import shmbuf
+
+PAYLOAD_WORDS = 8
+
+SPEC = shmbuf.Spec(
+    lane=((), "int64"),
+    index=((), "int64"),
+    obs=((2, 3), "float32"),
+    payload=((PAYLOAD_WORDS,), "uint32"),
+    check=((), "uint64"),
+)
+FIELDS = list(SPEC)
+
+_RAMP = np.arange(PAYLOAD_WORDS, dtype=np.uint64)
+_OBS_RAMP = np.arange(6, dtype=np.int64).reshape(2, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checking rows
+# --------------------------------------------------------------------------------------------
+def payload_for(lanes: Any, indices: Any) -> np.ndarray:
+    """uint32 payload rows ``[n, PAYLOAD_WORDS]`` that (lane, index) pairs must hold."""
+    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64)).astype(np.uint64)
+    ln = np.broadcast_to(np.asarray(lanes, dtype=np.int64), idx.shape).astype(np.uint64)
+    x = idx * np.uint64(0x9E3779B97F4A7C15)
+    x ^= (ln + np.uint64(1)) * np.uint64(0xD6E8FEB86659FD93)
+    x = x[:, None] + _RAMP[None, :] * np.uint64(0xBF58476D1CE4E5B9)
+    return (x >> np.uint64(29)).astype(np.uint32)
+
+
+def obs_for(lanes: Any, indices: Any) -> np.ndarray:
+    """float32 observations ``[n, 2, 3]`` (small exact integers) of (lane, index) pairs."""
+    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64))
+    ln = np.broadcast_to(np.asarray(lanes, dtype=np.int64), idx.shape)
+    base = (idx * 7 + ln * 13) % 65521
+    return (base[:, None, None] + _OBS_RAMP[None]).astype(np.float32)
+
+
+def checksum(payload: np.ndarray, obs: np.ndarray) -> np.ndarray:
+    """Per-row checksum over the payload words and the observation's bits."""
+    p = payload.astype(np.uint64)
+    o = np.ascontiguousarray(obs, dtype=np.float32).view(np.uint32).reshape(len(obs), -1)
+    o = o.astype(np.uint64)
+    return (np.bitwise_xor.reduce(p, axis=1) * np.uint64(31)) ^ p.sum(axis=1) ^ (
+        o.sum(axis=1) << np.uint64(20)
+    )
+
+
+def make_batch(lane: int, indices: Any) -> dict[str, np.ndarray]:
+    """Self-checking rows for logical ``indices`` of ``lane`` (for ``Writer.extend``)."""
+    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64))
+    payload = payload_for(lane, idx)
+    obs = obs_for(lane, idx)
+    return {
+        "lane": np.full(idx.shape, lane, np.int64),
+        "index": idx.copy(),
+        "obs": obs,
+        "payload": payload,
+        "check": checksum(payload, obs),
+    }
+
+
+def make_row(lane: int, index: int) -> dict[str, Any]:
+    """One self-checking transition (for ``Writer.add``)."""
+    b = make_batch(lane, [index])
+    return {k: v[0] for k, v in b.items()}
+
+
+def bad_rows(rows: Any, lanes: Any = None, indices: Any = None) -> np.ndarray:
+    """Mask of rows that are not whole, or (when given) not the (lane, index) drawn.
+
+    ``rows`` maps field -> array (a ``Batch``, a dict, torch tensors); at least ``lane``,
+    ``index`` and one of ``payload`` / ``obs`` must be present. Missing fields are not checked.
+    """
+    r = {k: np.asarray(rows[k]) for k in rows}
+    lane, index = r["lane"], r["index"]
+    bad = np.zeros(lane.shape, bool)
+    if "payload" in r:
+        bad |= (r["payload"] != payload_for(lane, index)).any(axis=1)
+    if "obs" in r:
+        bad |= (r["obs"] != obs_for(lane, index)).reshape(len(lane), -1).any(axis=1)
+    if "payload" in r and "obs" in r:
+        bad |= r["check"] != checksum(r["payload"], r["obs"])
+    if lanes is not None:
+        bad |= lane != np.asarray(lanes)
+    if indices is not None:
+        bad |= index != np.asarray(indices)
+    return bad
+
+
+def assert_batch_ok(batch: Any, batch_size: int | None = None) -> None:
+    """Every row of a ``Batch`` is whole and is the (lane, index) the batch says it is."""
+    lanes, indices = np.asarray(batch.lanes), np.asarray(batch.indices)
+    if batch_size is not None:
+        assert indices.shape == (batch_size,), indices.shape
+    bad = bad_rows(batch, lanes, indices)
+    if bad.any():
+        b = int(np.flatnonzero(bad)[0])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.size} delivered rows are corrupt; e.g. row {b}: holds "
+            f"lane={int(np.asarray(batch['lane'])[b])} index={int(np.asarray(batch['index'])[b])}, "
+            f"drawn as lane={int(lanes[b])} index={int(indices[b])}"
+        )
+
+
+def fill(buf: shmbuf.ReplayBuffer, rows_per_lane: int, lanes: Any = None) -> None:
+    """Append ``rows_per_lane`` self-checking rows to each lane (or to ``lanes``)."""
+    for k in range(buf.lanes) if lanes is None else lanes:
+        with buf.writer(lane=k, timeout=5) as w:
+            w.extend(make_batch(k, np.arange(w.committed, w.committed + rows_per_lane)))
+
+
+def new_buffer(capacity: int = 256, lanes: int = 2, rows: int | None = None) -> shmbuf.ReplayBuffer:
+    """A buffer of ``SPEC`` with ``rows`` (default: ``capacity``) rows in every lane."""
+    buf = shmbuf.ReplayBuffer.create(SPEC, capacity=capacity, lanes=lanes)
+    try:
+        if rows is None or rows > 0:
+            fill(buf, capacity if rows is None else rows)
+    except BaseException:
+        buf.close()
+        raise
+    return buf
+
+
+# --------------------------------------------------------------------------------------------
+# Processes: liveness from the outside
+# --------------------------------------------------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, which no parent has reaped yet, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    state = data[data.rindex(b")") + 2 : data.rindex(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def proc_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc ("R", "S", "T" stopped, "Z" zombie...; "" if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3].decode()
+
+
+def wait_dead(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` for every pid to end; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` in the process tree (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        ppid = int(data[data.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_quietly(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms (the dry run calls them in the parent; workers call them in their own process)
+# --------------------------------------------------------------------------------------------
+def double_index(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An importable transform that changes fields, shapes and dtypes."""
+    return {
+        "lane": batch["lane"],
+        "index": batch["index"],
+        "twice": (batch["index"] * 2).astype(np.float64),
+        "grid": np.broadcast_to(batch["lane"][:, None, None], (len(batch["lane"]), 2, 2)).astype(
+            np.uint8
+        ),
+    }
+
+
+class Sleep:
+    """Sleeps ``seconds`` in the worker (not in the parent's dry run), then passes rows through:
+    a worker is then almost always mid-fill (its slot is FILLING)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.parent = os.getpid()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if os.getpid() != self.parent:
+            time.sleep(self.seconds)
+        return batch
+
+
+class DieInWorker:
+    """Kills the worker process on its first batch; harmless in the parent's dry run.
+
+    ``how``: "sigkill" (``os.kill(getpid(), SIGKILL)``) or an exit code for ``os._exit``.
+    """
+
+    def __init__(self, how: str | int = "sigkill") -> None:
+        self.how = how
+        self.parent = os.getpid()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if os.getpid() != self.parent:
+            if self.how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(int(self.how))
+        return batch
+
+
+class RaiseInWorker:
+    """Raises ``ValueError`` in the worker; passes rows through in the parent's dry run."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.parent = os.getpid()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if os.getpid() != self.parent:
+            raise ValueError(self.message)
+        return batch
+
+
+class _Bomb:
+    """A value the worker converts with ``np.asarray`` while copying fields into the slot; the
+    conversion SIGKILLs the worker, so the slot's earlier fields are new and the later ones
+    stale: a torn slot, if it were ever delivered."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)  # not reached
+        return self.value
+
+
+class DieMidCopy:
+    """Passes rows through, but on about one batch in ``every`` (per worker process) the worker
+    SIGKILLs itself halfway through copying the batch into its staging slot."""
+
+    def __init__(self, every: int = 3, field: str = "payload") -> None:
+        self.every = every
+        self.field = field
+        self.parent = os.getpid()
+        self.calls = 0
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        if os.getpid() == self.parent:
+            return batch
+        self.calls += 1
+        if self.calls >= 2 and np.random.default_rng().integers(self.every) == 0:
+            out: dict[str, Any] = dict(batch)
+            out[self.field] = _Bomb(batch[self.field])
+            return out
+        return batch
+
+
+class ShrinkInWorker:
+    """Returns the batch in the parent's dry run but only half of it in the worker: a transform
+    whose output shape changes after the first call."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if os.getpid() == self.parent:
+            return batch
+        return {k: v[: len(v) // 2] for k, v in batch.items()}
+
+
+def negate_obs_in_place(batch: dict[str, np.ndarray]) -> None:
+    """A transform that edits the batch in place and returns None."""
+    np.negative(batch["obs"], out=batch["obs"])
+
+
+class ExitOnUnpickle:
+    """A transform that works in the parent but ends any process that unpickles it with exit
+    code ``code``: the worker dies during start-up, every time."""
+
+    def __init__(self, code: int = 7) -> None:
+        self.code = code
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return batch
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os._exit, (self.code,))
+
+
+# --------------------------------------------------------------------------------------------
+# Actor functions (ActorGroup)
+# --------------------------------------------------------------------------------------------
+def lane_writer(ctx: Any, chunk: int = 16, pause: float = 0.0) -> None:
+    """Extend self-checking rows into the actor's lane until asked to stop."""
+    w, lane = ctx.writer, ctx.lane
+    while not ctx.stopping:
+        w.extend(make_batch(lane, np.arange(w.committed, w.committed + chunk)))
+        if pause:
+            time.sleep(pause)
+
+
+def bounded_writer(ctx: Any, n: int = 100) -> None:
+    """Add ``n`` self-checking rows one at a time, end the episode, return."""
+    w, lane = ctx.writer, ctx.lane
+    for _ in range(n):
+        w.add(**make_row(lane, w.committed))
+    w.end_episode()
+
+
+def raising_actor(ctx: Any) -> None:
+    """Writes a few rows, then raises."""
+    w = ctx.writer
+    w.extend(make_batch(ctx.lane, np.arange(w.committed, w.committed + 4)))
+    raise ValueError(f"actor-boom from actor {ctx.actor_id}")
+
+
+def stubborn_actor(ctx: Any, ignore_sigterm: bool = False) -> None:
+    """Never looks at ``ctx.stopping``; optionally ignores SIGTERM too (only SIGKILL ends it)."""
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    w, lane = ctx.writer, ctx.lane
+    while True:
+        w.add(**make_row(lane, w.committed))
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------------------------
+# Child-process entry points
+# --------------------------------------------------------------------------------------------
+def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = False) -> None:
+    """A learner that owns a buffer and a pool, reports its pids and segments, then waits to be
+    killed (SIGKILL: no cleanup of any kind runs). ``starved``: the buffer stays below
+    ``min_size``, so the workers are waiting to sample when the learner dies."""
+    from workers import SamplerPool
+
+    buf = new_buffer(capacity=128, lanes=2)
+    pool = SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method, seed=1,
+                       min_size=10_000 if starved else 1)
+    if starved:
+        deadline = time.monotonic() + 30
+        while not all(w.hello for w in pool._workers):  # every worker set up and waiting
+            try:
+                pool.next(timeout=0.1)
+            except shmbuf.Timeout:
+                pass
+            assert time.monotonic() < deadline
+    else:
+        assert_batch_ok(pool.next(timeout=30), 8)
+    conn.send({"pid": os.getpid(), "buffer": buf.name, "staging": pool.staging_name,
+               "workers": pool.worker_pids})
+    while True:
+        time.sleep(1)
+        if not starved:
+            pool.next(timeout=30)  # keep the pool busy, like a learner would
+
+
+def limiting_pool_main(buffer_name: str, conn: Any, start_method: str, batch_size: int,
+                       samples_per_insert: tuple[float, float], min_size: int) -> None:
+    """A process that rate-limits ``buffer_name`` with a pool and then waits to be killed."""
+    from workers import SamplerPool
+
+    pool = SamplerPool(buffer_name, batch_size=batch_size, n_workers=1, n_staging=2,
+                       start_method=start_method, samples_per_insert=samples_per_insert,
+                       min_size=min_size, seed=0)
+    batch = pool.next(timeout=30)  # held: the worker fills the other slot, then samples no more
+    assert_batch_ok(batch, batch_size)
+    conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids})
+    while True:
+        time.sleep(1)
+
+
+def actor_parent_main(conn: Any, start_method: str, n_actors: int) -> None:
+    """A process that owns a buffer and an ActorGroup, reports pids, then waits to be killed."""
+    import functools
+
+    from workers import ActorGroup
+
+    buf = shmbuf.ReplayBuffer.create(SPEC, capacity=256, lanes=n_actors)
+    group = ActorGroup(functools.partial(lane_writer, chunk=8, pause=0.001), n_actors, buf,
+                       start_method=start_method, seed=0)
+    deadline = time.monotonic() + 30
+    while (buf.committed() == 0).any() and time.monotonic() < deadline:
+        group.poll()
+        time.sleep(0.01)
+    conn.send({"pid": os.getpid(), "buffer": buf.name, "actors": group.pids,
+               "committed": buf.committed().tolist()})
+    while True:
+        group.poll()
+        time.sleep(0.05)
