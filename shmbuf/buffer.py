@@ -699,13 +699,13 @@ class ReplayBuffer:
         indices and priorities taken before are simply stale afterwards.
 
         Raises:
-            LaneBusyError: a lane keeps a live writer of another handle for ``timeout`` s.
+            LaneBusyError: a lane keeps a live writer (of any handle) for ``timeout`` s.
         """
         self._check_open()
         if self._store_writer is not None:
             self._store_writer.close()
             self._store_writer = None
-        lease = self._lock_all_lanes(timeout)
+        lease = self._lock_all_lanes(timeout, "clearing the buffer")
         try:
             q, lay, C = self._q, self._layout, self.capacity
             for k in range(self.lanes):
@@ -819,7 +819,7 @@ class ReplayBuffer:
 
         load_state_dict(self, state)
 
-    def _lock_all_lanes(self, timeout: float = 0.0) -> Lease:
+    def _lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
         """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;
         raises LaneBusyError if one stays busy."""
         lease = self._seg.lease()
@@ -832,7 +832,7 @@ class ReplayBuffer:
                 raise LaneBusyError(
                     f"lane {k} has a live writer (pid "
                     f"{self._q[self._layout.lane_word(k, L.LANE_WRITER_PID) // 8]}); close every "
-                    f"writer before restoring the buffer"
+                    f"writer (of this handle or any other) before {purpose}"
                 )
         return lease
 

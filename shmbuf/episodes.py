@@ -34,7 +34,7 @@ class EpisodeTable:
         self.flags = columns["_ep_flags"]
         self.spec = spec
         self.data = {name: columns[name] for name in (spec or {})}
-        self._checker = RowChecker(spec) if spec else None
+        self._checker = RowChecker(spec, row_op="end_episode") if spec else None
         self._zeros = {name: np.zeros(f.shape, f.dtype) for name, f in (spec or {}).items()}
 
     # -- writing (the lane's writer only) -----------------------------------------------------------

@@ -7,10 +7,14 @@ A saved directory holds, for a buffer of L lanes whose lanes keep n_0 .. n_{L-1}
 
 - one ``NNN_<field>.npy`` per field, shape ``[n_0 + ... + n_{L-1}, *shape]``: lane 0's rows oldest
   first, then lane 1's, ... (``/`` in field names becomes ``__``; the manifest names each file);
-- ``_meta.npy``, int64 ``[rows]``: each row's ``episode << 32 | step_in_episode``;
+- ``_meta.npy``, int64 ``[rows]``: each row's ``episode << 32 | flags | step_in_episode``;
+- ``_episodes.npy``, int64 ``[records, 5]``: the episode records held (lane, episode, start,
+  length, flags), by lane then episode, and one ``_ep_NNN_<field>.npy`` per episode-spec field;
 - ``manifest.json``, written last (temp file + rename), so a directory without one is an
-  incomplete save: format and version, spec, capacity, lanes, and per lane the first logical index
-  kept, the row count, the row offset in the files and the lane's episode words.
+  incomplete save: format and version, spec, capacity, lanes, the buffer's options (``next_obs``,
+  ``episode_spec``, ``episode_capacity``; absent in older checkpoints, which load with the
+  defaults), per lane the first logical index kept, the row count, the row offset in the files
+  and the lane's episode words, and the episode files.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ STATE_FORMAT = "shmbuf-state"
 VERSION = 1
 MANIFEST = "manifest.json"
 META_FILE = "_meta.npy"
+EPISODES_FILE = "_episodes.npy"
+RECORD_COLUMNS = ("lane", "episode", "start", "length", "flags")  # of EPISODES_FILE
 CHUNK_BYTES = 64 << 20  # rows are copied out of shared memory this many bytes at a time
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -148,6 +154,99 @@ def _copy_rows(src: np.ndarray, dst: np.ndarray, old: list[LaneRows], new: list[
             dst[n.offset + j : n.offset + j + m] = src[o.offset + j : o.offset + j + m]
 
 
+@dataclass(frozen=True)
+class Records:
+    """Episode records: ``table`` int64 ``[n, 5]`` (``RECORD_COLUMNS``), by lane then episode,
+    and each episode-spec field's values ``[n, *shape]``."""
+
+    table: np.ndarray
+    fields: dict[str, np.ndarray]
+
+
+def _options(buf: ReplayBuffer) -> dict[str, Any]:
+    """What ``ReplayBuffer.create`` needs besides spec, capacity and lanes to recreate ``buf``."""
+    spec = buf.episode_spec
+    return {
+        "next_obs": "derived" if buf.derived_next_obs else "stored",
+        "episode_spec": spec.to_json() if spec is not None else [],
+        "episode_capacity": buf._layout.episode_capacity,
+    }
+
+
+def _copy_episodes(buf: ReplayBuffer) -> Records:
+    """Every episode record held now, each copied whole (its stamp said "held" before and after
+    the copy; a record being written or overwritten meanwhile is left out)."""
+    spec = buf.episode_spec
+    table = buf._episodes
+    names = list(spec) if spec is not None else []
+    if table is None:
+        return Records(np.zeros((0, len(RECORD_COLUMNS)), np.int64),
+                       {n: np.zeros((0, *spec[n].shape), spec[n].dtype) for n in names})
+    before = table.stamp.copy()
+    columns = [table.start.copy(), table.length.copy(), table.flags.copy()]
+    data = {n: table.data[n].copy() for n in names}
+    after = table.stamp
+    rows = np.flatnonzero((before == after) & (before > 0) & (before % 2 == 0))
+    lanes = rows // table.capacity
+    ids = before[rows] // 2 - 1
+    order = np.lexsort((ids, lanes))
+    rows = rows[order]
+    records = np.stack([lanes[order], ids[order], *(c[rows] for c in columns)], axis=1)
+    return Records(records.astype(np.int64), {n: data[n][rows] for n in names})
+
+
+def _check_records(records: Records, n_lanes: int, spec: Spec | None, where: str) -> None:
+    """Raise CheckpointError unless ``records`` fit a buffer of ``n_lanes`` with ``spec``."""
+    table = records.table
+    if table.ndim != 2 or table.shape[1] != len(RECORD_COLUMNS) or table.dtype != np.int64:
+        raise CheckpointError(
+            f"{where}: the episode records should be int64 [records, {len(RECORD_COLUMNS)}] "
+            f"({', '.join(RECORD_COLUMNS)}), found {table.shape} {table.dtype}"
+        )
+    names = list(spec) if spec is not None else []
+    if sorted(records.fields) != sorted(names):
+        raise CheckpointError(
+            f"{where}: expected values of the episode fields {names}, found "
+            f"{sorted(records.fields)}"
+        )
+    n = table.shape[0]
+    for name in names:
+        arr, f = records.fields[name], spec[name]
+        if arr.shape != (n, *f.shape) or arr.dtype != f.dtype:
+            raise CheckpointError(
+                f"{where}: episode field {name!r} should be shape {(n, *f.shape)} {f.dtype}, "
+                f"found {arr.shape} {arr.dtype}"
+            )
+    if n and (table[:, 0].min() < 0 or table[:, 0].max() >= n_lanes or table[:, 1].min() < 0):
+        raise CheckpointError(
+            f"{where}: episode records name lanes outside [0, {n_lanes}) or negative episode ids"
+        )
+
+
+def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
+    """Replace every lane's episode records with ``records`` (the caller holds every lane's
+    lease). A lane keeps its newest ``episode_capacity`` records, as its writer's ring would."""
+    table = buf._episodes
+    if table is None:
+        return
+    table.stamp[:] = 0  # nothing held while we rewrite
+    if records is None or not len(records.table):
+        return
+    E = table.capacity
+    lanes, ids = records.table[:, 0], records.table[:, 1]
+    newest = np.full(buf.lanes, -1, np.int64)
+    np.maximum.at(newest, lanes, ids)
+    keep = ids > newest[lanes] - E
+    rec = records.table[keep]
+    ids = rec[:, 1]
+    r = rec[:, 0] * E + ids % E
+    table.stamp[r] = 2 * ids + 1
+    table.start[r], table.length[r], table.flags[r] = rec[:, 2], rec[:, 3], rec[:, 4]
+    for name, col in table.data.items():
+        col[r] = records.fields[name][keep]
+    table.stamp[r] = 2 * ids + 2
+
+
 # --------------------------------------------------------------------------------------------
 # save / load
 # --------------------------------------------------------------------------------------------
@@ -241,6 +340,12 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, progress: bool | None)
     for arr in (*arrays.values(), meta):
         arr.flush()
     del arrays, meta
+    records = _copy_episodes(buf)
+    np.save(directory / EPISODES_FILE, records.table)
+    ep_files = {name: "_ep_" + file_name(i, name) for i, name in enumerate(records.fields)}
+    for name, values in records.fields.items():
+        np.save(directory / ep_files[name], values)
+    n_records = int(records.table.shape[0])
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -256,6 +361,17 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, progress: bool | None)
             for name, f in spec.items()
         ],
         "meta": {"file": META_FILE, "shape": [rows], "dtype": np.dtype("<i8").str},
+        **_options(buf),
+        "episodes": {
+            "records": {"file": EPISODES_FILE, "shape": [n_records, len(RECORD_COLUMNS)],
+                        "dtype": np.dtype("<i8").str},
+            "columns": list(RECORD_COLUMNS),
+            "fields": [
+                {"name": name, "file": ep_files[name], "shape": list(values.shape),
+                 "dtype": values.dtype.str}
+                for name, values in records.fields.items()
+            ],
+        },
     }
     _write_json_atomic(directory / MANIFEST, manifest)
 
@@ -300,6 +416,7 @@ def load(
     directory = Path(path)
     manifest = _read_manifest(directory)
     spec, lanes = _check_manifest(manifest, directory)
+    options, records = _check_episode_section(manifest, directory, len(lanes))
     arrays = {
         entry["name"]: _open_npy(directory, entry, f"field {entry['name']!r}")
         for entry in manifest["fields"]
@@ -308,9 +425,9 @@ def load(
     if capacity is None:
         capacity = int(manifest["capacity"])
     capacity = _positive_int("capacity", capacity)
-    buf = cls.create(spec, capacity, len(lanes), name)
+    buf = cls.create(spec, capacity, len(lanes), name, **options)
     try:
-        _restore(buf, lanes, arrays, meta, progress, f"loading {directory.name}")
+        _restore(buf, lanes, arrays, meta, progress, f"loading {directory.name}", records)
     except BaseException:
         buf.close()
         raise
@@ -324,8 +441,10 @@ def _restore(
     meta: np.ndarray,
     progress: bool | None,
     desc: str,
+    records: Records | None = None,
 ) -> None:
-    """Rewrite every lane of ``buf`` from ``lanes``; a lane keeps its newest ``capacity`` rows."""
+    """Rewrite every lane of ``buf`` from ``lanes``, and its episode records from ``records``;
+    a lane keeps its newest ``capacity`` rows."""
     C = buf.capacity
     kept = [min(r.count, C) for r in lanes]
     total = sum(kept) * buf.spec.row_nbytes
@@ -343,6 +462,7 @@ def _restore(
                     r.episode_start,
                     on_copied=bar.update,
                 )
+        _restore_episodes(buf, records)
     finally:
         lease.close()
 
@@ -418,6 +538,66 @@ def _check_manifest(doc: dict[str, Any], directory: Path) -> tuple[Spec, list[La
         _check_entry(entry, [rows, *field.shape], field.dtype, f"field {name!r}", where)
     _check_entry(meta, [rows], np.dtype("<i8"), "the _meta column", where)
     return spec, lanes
+
+
+def _parse_options(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``create`` options from a manifest or state; absent keys (older versions) are defaults."""
+    try:
+        next_obs = doc.get("next_obs", "stored")
+        ep_json = doc.get("episode_spec") or []
+        episode_spec = Spec.from_json(ep_json) if ep_json else None
+        episode_capacity = doc.get("episode_capacity")
+        episode_capacity = None if episode_capacity is None else int(episode_capacity)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: the buffer options are malformed ({type(e).__name__}: {e})"
+        ) from None
+    if next_obs not in ("stored", "derived"):
+        raise CheckpointError(
+            f"{where}: next_obs should be 'stored' or 'derived', found {next_obs!r}")
+    if episode_capacity is not None and episode_capacity < 1:
+        raise CheckpointError(f"{where}: episode_capacity should be >= 1, found {episode_capacity}")
+    return {"next_obs": next_obs, "episode_spec": episode_spec,
+            "episode_capacity": episode_capacity}
+
+
+def _check_episode_section(doc: dict[str, Any], directory: Path, n_lanes: int
+                           ) -> tuple[dict[str, Any], Records | None]:
+    """The buffer options and the episode records of a manifest (None if it has none)."""
+    where = directory / MANIFEST
+    options = _parse_options(doc, str(where))
+    section = doc.get("episodes")
+    if section is None:
+        return options, None
+    spec = options["episode_spec"]
+    try:
+        rec_entry = dict(section["records"])
+        n = int(rec_entry["shape"][0])
+        fields = [dict(f) for f in section["fields"]]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: the episodes entry is malformed ({type(e).__name__}: {e}). Fix: save the "
+            f"buffer again"
+        ) from None
+    names = [f.get("name") for f in fields]
+    if names != (list(spec) if spec is not None else []):
+        raise CheckpointError(
+            f"{where}: expected one file entry per episode field "
+            f"{list(spec) if spec is not None else []}, found {names}"
+        )
+    _check_entry(rec_entry, [n, len(RECORD_COLUMNS)], np.dtype("<i8"), "the episode records",
+                 where)
+    for entry in fields:
+        field = spec[entry["name"]]
+        _check_entry(entry, [n, *field.shape], field.dtype, f"episode field {entry['name']!r}",
+                     where)
+    records = Records(
+        np.asarray(_open_npy(directory, rec_entry, "the episode records")),
+        {e["name"]: np.asarray(_open_npy(directory, e, f"episode field {e['name']!r}"))
+         for e in fields},
+    )
+    _check_records(records, n_lanes, spec, str(where))
+    return options, records
 
 
 def _check_entry(entry: dict[str, Any], shape: list[int], dtype: np.dtype, what: str,
@@ -496,8 +676,10 @@ def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
 
     Keys: ``format``, ``version``, ``spec`` (JSON), ``capacity``, ``lanes``, ``per_lane`` (one
     dict per lane: lane, first, count, offset, episode, episode_start), ``fields`` (name ->
-    array ``[rows, *shape]``, lanes concatenated, oldest first) and ``meta`` (int64 ``[rows]``).
-    Safe while writers run, like ``save``.
+    array ``[rows, *shape]``, lanes concatenated, oldest first), ``meta`` (int64 ``[rows]``),
+    the options ``next_obs``, ``episode_spec`` (JSON), ``episode_capacity``, and ``episodes``
+    (``records``: int64 ``[n, 5]`` lane, episode, start, length, flags; ``fields``: name ->
+    ``[n, *shape]``). Safe while writers run, like ``save``.
     """
     buf._check_open()
     spec = buf.spec
@@ -517,6 +699,7 @@ def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
         dst = np.empty(total, np.int64)
         _copy_rows(meta, dst, lanes, packed)
         meta, lanes = dst, packed
+    records = _copy_episodes(buf)
     return {
         "format": STATE_FORMAT,
         "version": VERSION,
@@ -526,16 +709,21 @@ def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
         "per_lane": [asdict(r) for r in lanes],
         "fields": arrays,
         "meta": meta,
+        **_options(buf),
+        "episodes": {"records": records.table, "fields": records.fields},
     }
 
 
 def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
     """Replace ``buf``'s contents with ``state`` (from ``state_dict``), holding every lane.
 
-    The capacity may differ: a lane with more rows than ``buf.capacity`` keeps its newest.
+    The capacity may differ: a lane with more rows than ``buf.capacity`` keeps its newest; so
+    may the episode capacity (a lane keeps its newest records). States from before episode
+    records existed load as stored-next_obs states without records.
 
     Raises:
-        SpecMismatchError: the state's spec or lane count differs from ``buf``'s.
+        SpecMismatchError: the state's spec, lane count, next_obs mode or episode spec differs
+            from ``buf``'s.
         CheckpointError: the state is malformed or inconsistent.
         LaneBusyError: a lane has a live writer; nothing was changed.
     """
@@ -572,6 +760,31 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
             f"load_state_dict(): the state has {n_lanes} lanes, this buffer has {buf.lanes}. "
             f"Fix: create the buffer with lanes={n_lanes}"
         )
+    options = _parse_options(state, "load_state_dict()")
+    mode = "derived" if buf.derived_next_obs else "stored"
+    if options["next_obs"] != mode:
+        raise SpecMismatchError(
+            f"load_state_dict(): the state is of a next_obs={options['next_obs']!r} buffer, this "
+            f"one has next_obs={mode!r} (its rows would mean something else). Fix: create the "
+            f"buffer with next_obs={options['next_obs']!r}"
+        )
+    records = None
+    if "episodes" in state:
+        if options["episode_spec"] != buf.episode_spec:
+            raise SpecMismatchError(
+                f"load_state_dict(): the state's episode_spec is {options['episode_spec']!r}, "
+                f"this buffer's is {buf.episode_spec!r}. Fix: create the buffer with the same "
+                f"episode_spec"
+            )
+        try:
+            episodes = state["episodes"]
+            records = Records(np.asarray(episodes["records"]),
+                              {k: np.asarray(v) for k, v in dict(episodes["fields"]).items()})
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"load_state_dict(): 'episodes' is malformed ({type(e).__name__}: {e})"
+            ) from None
+        _check_records(records, n_lanes, buf.episode_spec, "load_state_dict()")
     rows = int(meta.shape[0]) if meta.ndim == 1 else -1
     if meta.dtype != np.int64 or rows < 0:
         raise CheckpointError(
@@ -592,4 +805,4 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
                 f"{f.dtype}, found {arr.shape} {arr.dtype}. The state is inconsistent"
             )
         arrays[name] = arr
-    _restore(buf, lanes, arrays, meta, None, f"load_state_dict into {buf.name}")
+    _restore(buf, lanes, arrays, meta, None, f"load_state_dict into {buf.name}", records)

@@ -139,6 +139,12 @@ class PriorityTable:
             )
         if ((lanes < 0) | (lanes >= self.lanes)).any():
             raise ValueError(f"lanes must be in [0, {self.lanes})")
+        if (indices < 0).any():  # -1 is the generation of a slot never written
+            b = int(np.flatnonzero(indices < 0)[0])
+            raise ValueError(
+                f"index {int(indices[b])} at position {b} is not a row: indices are the logical "
+                f"positions in batch.indices (>= 0); nothing was updated"
+            )
         slots = lanes * self.capacity + indices % self.capacity
         current = self.gen[slots] == indices
         self.updates_dropped += int((~current).sum())

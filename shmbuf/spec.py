@@ -249,8 +249,9 @@ class RowChecker:
     a dict lookup of a cached cast decision; no NumPy call unless the value needs converting.
     """
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, row_op: str = "add", batch_op: str = "extend") -> None:
         self.spec = spec
+        self._row_op, self._batch_op = row_op, batch_op  # named in error messages
         self.names = tuple(spec)
         self._name_set = frozenset(self.names)
         self._fields = tuple(spec.values())
@@ -341,7 +342,7 @@ class RowChecker:
         Everything else takes ``_check_value``.
         """
         if len(values) != self._n:
-            raise self._key_error("add", values)
+            raise self._key_error(self._row_op, values)
         out = []
         append = out.append
         for name, shape, dtype, fast_scalar, int_lo, int_hi, k in self._row_plan:
@@ -360,19 +361,19 @@ class RowChecker:
     def _check_value(self, k: int, v: Any, values: Mapping[str, Any]) -> Any:
         field = self._fields[k]
         if v is _MISSING:
-            raise self._key_error("add", values)
+            raise self._key_error(self._row_op, values)
         if type(v) is np.ndarray:
             if v.shape != field.shape:
                 raise SpecMismatchError(
-                    f"add(): field {field.name!r} expects one transition of shape "
+                    f"{self._row_op}(): field {field.name!r} expects one transition of shape "
                     f"{field.shape}; got shape {v.shape}. Fix: pass a single row (for a batch "
                     f"of rows use extend())"
                 )
             if v.dtype is not field.dtype and not self._castable_to(k, v.dtype):
-                raise self._dtype_error("add", field, v.dtype)
+                raise self._dtype_error(self._row_op, field, v.dtype)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
-                    f"add(): field {field.name!r} is a non-contiguous array (strides "
+                    f"{self._row_op}(): field {field.name!r} is a non-contiguous array (strides "
                     f"{v.strides}). Fix: np.ascontiguousarray(value)"
                 )
             return v
@@ -386,7 +387,7 @@ class RowChecker:
             bounds = self._int_bounds[k]
             if bounds is not None and not bounds[0] <= v <= bounds[1]:
                 raise SpecMismatchError(
-                    f"add(): field {field.name!r} ({field.dtype}) cannot hold {v}: outside "
+                    f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold {v}: outside "
                     f"[{bounds[0]}, {bounds[1]}]"
                 )
             ok = kind in "iufc"
@@ -395,7 +396,7 @@ class RowChecker:
                     float(v)
                 except OverflowError:
                     raise SpecMismatchError(
-                        f"add(): field {field.name!r} ({field.dtype}) cannot hold the Python int "
+                        f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold the Python int "
                         f"{v}: too large for a float"
                     ) from None
         elif isinstance(v, float):
@@ -403,22 +404,22 @@ class RowChecker:
         elif isinstance(v, complex):
             ok = kind == "c"
         else:
-            arr = v if isinstance(v, np.generic) else self._as_array("add", field, v)
+            arr = v if isinstance(v, np.generic) else self._as_array(self._row_op, field, v)
             if arr.shape != field.shape:
                 raise SpecMismatchError(
-                    f"add(): field {field.name!r} expects one transition of shape {field.shape}; "
+                    f"{self._row_op}(): field {field.name!r} expects one transition of shape {field.shape}; "
                     f"got shape {arr.shape} ({type(v).__name__})"
                 )
             if arr.dtype is not field.dtype and not self._castable_to(k, arr.dtype):
-                raise self._dtype_error("add", field, arr.dtype)
+                raise self._dtype_error(self._row_op, field, arr.dtype)
             return arr
         if field.shape != ():
             raise SpecMismatchError(
-                f"add(): field {field.name!r} expects shape {field.shape}; got the scalar {v!r}"
+                f"{self._row_op}(): field {field.name!r} expects shape {field.shape}; got the scalar {v!r}"
             )
         if not ok:
             raise SpecMismatchError(
-                f"add(): field {field.name!r} expects dtype {field.dtype}; got the Python "
+                f"{self._row_op}(): field {field.name!r} expects dtype {field.dtype}; got the Python "
                 f"{type(v).__name__} {v!r}, which does not cast to it safely (same_kind)"
             )
         return v
@@ -428,10 +429,10 @@ class RowChecker:
         """Validate a batch of transitions; return (rows, arrays in spec order)."""
         if not isinstance(data, Mapping):
             raise SpecMismatchError(
-                f"extend(): expects a mapping of field name -> array, got {type(data).__name__}"
+                f"{self._batch_op}(): expects a mapping of field name -> array, got {type(data).__name__}"
             )
         if len(data) != self._n:
-            raise self._key_error("extend", data)
+            raise self._key_error(self._batch_op, data)
         arrays: list[np.ndarray] = []
         append = arrays.append
         n = -1
@@ -439,17 +440,17 @@ class RowChecker:
             v = data.get(name, _MISSING)
             if type(v) is not np.ndarray:
                 if v is _MISSING:
-                    raise self._key_error("extend", data)
-                v = self._as_array("extend", self._fields[k], v)
+                    raise self._key_error(self._batch_op, data)
+                v = self._as_array(self._batch_op, self._fields[k], v)
             s = v.shape
             if len(s) != ndim or s[1:] != shape or (n >= 0 and s[0] != n):
                 self._batch_shape_error(k, v, n, arrays)
             n = s[0]
             if v.dtype is not dtype and not self._castable_to(k, v.dtype):
-                raise self._dtype_error("extend", self._fields[k], v.dtype)
+                raise self._dtype_error(self._batch_op, self._fields[k], v.dtype)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
-                    f"extend(): field {name!r} is a non-contiguous array (strides "
+                    f"{self._batch_op}(): field {name!r} is a non-contiguous array (strides "
                     f"{v.strides}). Fix: np.ascontiguousarray(value)"
                 )
             append(v)
@@ -460,11 +461,11 @@ class RowChecker:
         if arr.ndim != len(field.shape) + 1 or arr.shape[1:] != field.shape:
             want = ", ".join(["n", *map(str, field.shape)])
             raise SpecMismatchError(
-                f"extend(): field {field.name!r} expects shape ({want}), rows of {field.shape}; "
+                f"{self._batch_op}(): field {field.name!r} expects shape ({want}), rows of {field.shape}; "
                 f"got {arr.shape}. Fix: stack rows on a new leading axis (for one row use add())"
             )
         first = self._fields[0].name
         raise SpecMismatchError(
-            f"extend(): fields disagree on the number of rows: {first!r} has {n}, "
+            f"{self._batch_op}(): fields disagree on the number of rows: {first!r} has {n}, "
             f"{field.name!r} has {arr.shape[0]}. Fix: pass the same n for every field"
         )

@@ -66,7 +66,8 @@ class VectorWriter:
         self._lim_word = buf._limiter._word(L.LIM_GENERATION)
         self._lim_gen = -1
         self._episode_checker = (
-            RowChecker(buf._episode_spec) if buf._episode_spec is not None else None
+            RowChecker(buf._episode_spec, batch_op="end_episode") if buf._episode_spec is not None
+            else None
         )
         self._closed = False
 

@@ -336,7 +336,7 @@ def test_truncated_npy_is_a_checkpoint_error(saved):
 def test_missing_manifest_is_an_incomplete_save(saved):
     (saved / "manifest.json").unlink()
     err = _load_fails(saved, "incomplete save")
-    assert "5 .npy file(s)" in str(err)
+    assert "6 .npy file(s)" in str(err)  # 4 fields, _meta, _episodes
 
 
 def test_corrupt_manifest_is_a_checkpoint_error(saved):
@@ -458,3 +458,205 @@ def test_save_and_load_show_progress_when_asked(buf, tmp_path, capsys):
     with shmbuf.ReplayBuffer.load(tmp_path / "ck", progress=True):
         pass
     assert "loading ck" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# Derived next_obs, episode specs and episode records
+# --------------------------------------------------------------------------------------------
+from tests.episode_model import OPEN, TERMINATED, TRUNCATED, Episode  # noqa: E402
+from tests.episode_model import make_spec as episode_row_spec  # noqa: E402
+from tests.episode_model import write as write_episodes  # noqa: E402
+
+EP_SPEC = shmbuf.Spec({"return": ((), "float32"), "seed": ((), "int64"), "info": ((2,), "int16")})
+EPISODES = [
+    # lane 0 wraps (20 rows in 12 slots with the FINAL rows) and outgrows the 3-record ring
+    [Episode(3, TERMINATED), Episode(4, TRUNCATED), Episode(2, TERMINATED),
+     Episode(5, TRUNCATED), Episode(2, OPEN)],
+    [Episode(2, TRUNCATED), Episode(3, OPEN)],
+    [],
+]
+
+
+def episode_data(lane: int, episode: int) -> dict:
+    return {"return": 10.0 * lane + episode + 0.5, "seed": 100 * lane + episode,
+            "info": [lane, -episode]}
+
+
+def make_episodic(mode: str = "derived", **kw) -> shmbuf.ReplayBuffer:
+    options = {"capacity": 12, "lanes": 3, "next_obs": mode, "episode_spec": EP_SPEC,
+               "episode_capacity": 3, **kw}
+    return shmbuf.ReplayBuffer.create(episode_row_spec(mode == "derived"), **options)
+
+
+@pytest.fixture
+def episodic():
+    """Derived next_obs, an episode spec, 3 records per lane: lane 0 wrapped with records
+    overwritten, lane 1 with an open episode, lane 2 empty."""
+    with make_episodic() as b:
+        write_episodes(b, EPISODES, episode_data=episode_data)
+        yield b
+
+
+def assert_same_episodic(a: shmbuf.ReplayBuffer, b: shmbuf.ReplayBuffer) -> None:
+    """Same options, windows, lane words, rows with their (episode, step, FINAL), episode
+    records, and the same batches for the same seed under every kind of plan."""
+    assert b.derived_next_obs == a.derived_next_obs
+    assert b.episode_spec == a.episode_spec
+    assert b._layout.episode_capacity == a._layout.episode_capacity
+    assert lane_state(b) == lane_state(a)
+    for k, (lo, hi, _, _) in enumerate(lane_state(a)):
+        ra, rb = (x.get(np.arange(lo, hi), k, with_episode=True) for x in (a, b))
+        for name in ra:
+            np.testing.assert_array_equal(rb[name], ra[name], f"lane {k}: {name}")
+    ea, eb = a.episodes(), b.episodes()
+    assert sorted(ea) == sorted(eb)
+    for name in ea:
+        np.testing.assert_array_equal(eb[name], ea[name], name)
+    for plan in ({}, {"n_step": 3, "gamma": 0.9}, {"sequence_length": 2},
+                 {"frame_stack": 2, "frame_lookahead": 1}):
+        sa, sb = a.sample(64, 5, **plan), b.sample(64, 5, **plan)
+        for name in sa:
+            np.testing.assert_array_equal(sb[name], sa[name], f"{plan}: {name}")
+
+
+def test_episodic_buffer_state_is_what_the_tests_below_expect(episodic):
+    assert lane_state(episodic) == [(8, 20, 4, 18), (0, 6, 1, 3), (0, 0, 0, 0)]
+    rec = episodic.episodes()
+    assert rec["lane"].tolist() == [0, 0, 0, 1]
+    assert rec["episode"].tolist() == [1, 2, 3, 0]  # the ring of 3 dropped lane 0's episode 0
+    assert rec["start"].tolist() == [4, 9, 12, 0]
+
+
+def test_derived_buffer_with_episode_records_round_trips_through_save_and_load(episodic,
+                                                                              tmp_path):
+    episodic.save(tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["next_obs"] == "derived" and manifest["episode_capacity"] == 3
+    assert shmbuf.Spec.from_json(manifest["episode_spec"]) == EP_SPEC
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck") as loaded:
+        assert_same_episodic(episodic, loaded)
+        rec, want = loaded.episode(2, 0), episodic.episode(2, 0)
+        assert rec.pop("info").tolist() == want.pop("info").tolist() == [0, -2]
+        assert rec == want
+        with pytest.raises(shmbuf.StaleIndexError):
+            loaded.episode(0, 0)
+        # Writers continue where the saved lanes stopped: lane 0's open episode is taken over
+        # (a new id), lane 2 starts at episode 0; records keep coming in the same ring.
+        with loaded.writer(lane=0) as w0, episodic.writer(lane=0) as w1:
+            assert (w0.episode, w0.committed) == (w1.episode, w1.committed) == (5, 20)
+        with loaded.writer(lane=2) as w:
+            assert w.episode == 0
+
+
+def test_derived_buffer_with_episode_records_round_trips_through_state_dict(episodic):
+    """Through pickle, into a buffer created with the same options that held other rows and
+    episode records before: afterwards it holds exactly the state's."""
+    state = pickle.loads(pickle.dumps(episodic.state_dict()))
+    assert state["next_obs"] == "derived" and state["episode_capacity"] == 3
+    with make_episodic() as other:
+        write_episodes(other, [[Episode(7, TERMINATED)] * 4, [], [Episode(2, TRUNCATED)]],
+                       episode_data=lambda lane, e: {"seed": -1})
+        other.load_state_dict(state)
+        assert_same_episodic(episodic, other)
+
+
+def test_load_state_dict_into_a_smaller_episode_ring_keeps_each_lanes_newest_records(episodic):
+    with make_episodic(episode_capacity=2) as small:
+        small.load_state_dict(episodic.state_dict())
+        rec = small.episodes()
+        assert list(zip(rec["lane"].tolist(), rec["episode"].tolist())) == [(0, 2), (0, 3), (1, 0)]
+        assert small.episode(3, 0)["seed"] == episodic.episode(3, 0)["seed"] == 3
+
+
+def test_load_with_a_smaller_capacity_keeps_the_newest_rows_and_every_record(episodic, tmp_path):
+    episodic.save(tmp_path / "ck")
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck", capacity=4) as small:
+        assert lane_state(small)[0] == (16, 20, 4, 18)
+        rows = small.get(np.arange(16, 20), 0, with_episode=True)
+        assert rows["_final"].tolist() == [False, True, False, False]
+        assert small.episodes()["episode"].tolist() == [1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("change", ["next_obs", "episode_spec"])
+def test_load_state_dict_rejects_another_next_obs_mode_or_episode_spec(episodic, change):
+    """The rows of a derived buffer mean something else in a stored one (FINAL rows), and
+    records need the same episode fields: both raise SpecMismatchError and change nothing."""
+    state = episodic.state_dict()
+    if change == "next_obs":  # the very same spec (obs, no next_obs), but stored
+        target = shmbuf.ReplayBuffer.create(episode_row_spec(True), 12, 3, next_obs="stored",
+                                            episode_spec=EP_SPEC, episode_capacity=3)
+    else:
+        target = make_episodic(episode_spec=shmbuf.Spec({"return": ((), "float64")}))
+    with target:
+        rows = {n: np.ones((2, *f.shape), f.dtype) for n, f in target.spec.items()}
+        if target.derived_next_obs:
+            rows["next_obs"] = rows["obs"]
+        with target.writer(lane=1) as w:
+            w.extend(rows)
+            w.end_episode(**{"return": 1.0})
+        before = (lane_state(target), target.episodes()["episode"].tolist())
+        with pytest.raises(SpecMismatchError, match=change):
+            target.load_state_dict(state)
+        assert (lane_state(target), target.episodes()["episode"].tolist()) == before
+
+
+def _strip_episode_keys(doc: dict) -> list[str]:
+    """Make a manifest or state look like one from before episodes existed; returns the files
+    it no longer names."""
+    files = []
+    episodes = doc.pop("episodes", None)
+    if isinstance(episodes, dict):
+        files = [e["file"] for e in [episodes.get("records", {}), *episodes.get("fields", [])]
+                 if isinstance(e, dict) and "file" in e]
+    for key in ("next_obs", "episode_spec", "episode_capacity"):
+        doc.pop(key, None)
+    return files
+
+
+def test_a_manifest_without_the_episode_keys_still_loads(buf, tmp_path):
+    buf.save(tmp_path / "ck")
+    path = tmp_path / "ck" / "manifest.json"
+    doc = json.loads(path.read_text())
+    for file in _strip_episode_keys(doc):
+        (tmp_path / "ck" / file).unlink()
+    path.write_text(json.dumps(doc))
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck") as loaded:
+        assert not loaded.derived_next_obs and loaded.episode_spec is None
+        assert loaded._layout.episode_capacity == 64  # create()'s default
+        assert lane_state(loaded) == lane_state(buf)
+        assert_same_contents(buf, loaded)
+        assert loaded.episodes()["episode"].size == 0
+
+
+def test_a_state_dict_without_the_episode_keys_still_loads(buf):
+    state = buf.state_dict()
+    _strip_episode_keys(state)
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=16, lanes=3) as other:
+        other.load_state_dict(state)
+        assert lane_state(other) == lane_state(buf)
+        assert_same_contents(buf, other)
+
+
+def test_a_stored_buffer_keeps_its_episode_records_too(buf, tmp_path):
+    """The plain fixture (episodes of 7 on lane 0, no episode spec) saves its records."""
+    assert buf.episodes()["episode"].tolist() == [0, 1, 2, 3, 4]
+    buf.save(tmp_path / "ck")
+    with shmbuf.ReplayBuffer.load(tmp_path / "ck") as loaded:
+        for name, value in buf.episodes().items():
+            np.testing.assert_array_equal(loaded.episodes()[name], value, name)
+
+
+def test_a_manifest_with_a_broken_episode_section_is_a_checkpoint_error(episodic, tmp_path):
+    episodic.save(tmp_path / "ck")
+    path = tmp_path / "ck" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["episodes"]["fields"][0]["shape"] = [99]
+    path.write_text(json.dumps(doc))
+    _load_fails(tmp_path / "ck", "episode field 'return'")
+    doc["episodes"]["fields"] = doc["episodes"]["fields"][1:]
+    path.write_text(json.dumps(doc))
+    _load_fails(tmp_path / "ck", "episode")
+    doc = json.loads(path.read_text())
+    doc["next_obs"] = "sideways"
+    path.write_text(json.dumps(doc))
+    _load_fails(tmp_path / "ck", "next_obs")
