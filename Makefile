@@ -25,6 +25,8 @@ stress: install
 bench: install
 	$(BIN)/python scripts/bench_storage.py
 	$(BIN)/python scripts/bench_pool.py
+	$(BIN)/python scripts/bench_sequences.py
+	$(BIN)/python scripts/bench_prioritized.py
 
 clean:
 	-test -x $(BIN)/shmbuf && $(BIN)/shmbuf gc

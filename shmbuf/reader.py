@@ -33,8 +33,6 @@ from .sampling.sequence import sequence_masks, strict_tail
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
 
-_EMPTY_FRACTION = "no sampleable rows"
-
 
 @dataclass
 class _Selection:
@@ -53,10 +51,11 @@ class _Selection:
     m: np.ndarray | None = None  # n-step extents
     rewards: np.ndarray | None = None  # [n, n_step]
     term_last: np.ndarray | None = None  # [n]
+    cache: dict | None = None  # fill's per-batch slot matrices and padding
 
     def take(self, keep: np.ndarray) -> _Selection:
         pick = {k: (v[keep] if isinstance(v, np.ndarray) else v) for k, v in self.__dict__.items()
-                if k != "masks"}
+                if k not in ("masks", "cache")}
         return _Selection(masks={k: v[keep] for k, v in self.masks.items()}, **pick)
 
     @staticmethod
@@ -64,7 +63,7 @@ class _Selection:
         first = parts[0]
         fields = {}
         for k, v in first.__dict__.items():
-            if k == "masks":
+            if k in ("masks", "cache"):
                 continue
             fields[k] = None if v is None else np.concatenate([getattr(p, k) for p in parts])
         masks = {k: np.concatenate([p.masks[k] for p in parts]) for k in first.masks}
@@ -92,12 +91,13 @@ class PlanReader:
         self.tail = strict_tail(self.T, self.needs_next) if (self.T > 1 and not plan.cross_episodes) else 0
         spec = buf.spec
         self.stack_offs = stack_offsets(self.k, plan.frame_lookahead) if plan.stacks else None
+        self._seq_offs = [np.arange(self.T) + s for s in (0, 1)]
         self.next_stack = (plan.stacks and c.want_next_obs and plan.obs_field in plan.stack_fields)
         self.term_field = plan.terminated_field if self.n > 1 else None
         self.trunc_field = "truncated" if (self.n > 1 and "truncated" in spec) else None
 
     # -- selection ---------------------------------------------------------------------------------
-    def _probe(self, draw: Draw, win: Windows) -> _Selection | None:
+    def _probe(self, draw: Draw, win: Windows, want: int) -> _Selection | None:
         buf, C = self.buf, self.buf.capacity
         anchors = draw.indices
         rows = anchors[:, None] + self.offsets[None, :]
@@ -121,13 +121,13 @@ class PlanReader:
         masks: dict[str, np.ndarray] = {}
         n = len(anchors)
         end = np.zeros(n, np.int64)
-        sel = _Selection(draw.lanes, anchors, rows, slots, held, before, same, step0, masks, end)
+        sel = _Selection(draw.lanes, anchors, None, slots, held, before, None, None, masks, end)
         if self.T > 1:
             valid = trans[:, j0 : j0 + self.T].copy()
             if self.needs_next:
                 valid &= same[:, j0 + 1 : j0 + 1 + self.T]
             ok2, masks[MASK] = sequence_masks(valid, self.c.plan.cross_episodes)
-            return sel.take(ok & ok2)
+            return sel.take(np.flatnonzero(ok & ok2)[:want])
         if self.n > 1:
             cols = self.buf._cols
             win_slots = slots[:, j0 : j0 + self.n]
@@ -160,7 +160,7 @@ class PlanReader:
                 ok &= ok_n
                 masks[f"{self.c.plan.next_obs_field}_mask"] = np.concatenate(
                     [nmask, np.ones((n, 1), bool)], axis=1)
-        return sel.take(ok)
+        return sel.take(np.flatnonzero(ok)[:want])
 
     def _select(self, count: int, rng: np.random.Generator, max_rounds: int) -> _Selection:
         parts: list[_Selection] = []
@@ -169,15 +169,21 @@ class PlanReader:
             win = self.buf.windows()
             want = count - have
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
-            draw = draw_uniform(Windows(win.lo, np.maximum(win.hi - self.tail, win.lo)),
-                                want + want // 4 + 4, rng)
-            sel = self._probe(draw, win)
+            lo, hi = int(win.lo[0]), int(win.hi[0]) - self.tail
+            if self.buf.lanes == 1 and hi > lo:
+                u = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
+                u += lo
+                draw = Draw(np.zeros(u.size, np.int64), u)
+            else:
+                draw = draw_uniform(Windows(win.lo, np.maximum(win.hi - self.tail, win.lo)),
+                                    want + want // 4 + 4, rng)
+            sel = self._probe(draw, win, want)
             if len(sel.anchors):
                 parts.append(sel)
                 have += len(sel.anchors)
             if have >= count:
                 sel = _Selection.concat(parts) if len(parts) > 1 else parts[0]
-                return sel.take(np.arange(count))
+                return sel  # every part holds at most the rows still wanted
         raise SamplingError(
             f"found only {have} of {count} usable rows in {max_rounds} rounds of draws: "
             f"{self._why()}"
@@ -196,23 +202,42 @@ class PlanReader:
     # -- gathering -------------------------------------------------------------------------------------
     def _rows_at(self, sel: _Selection, offs: np.ndarray, base: np.ndarray | None = None
                  ) -> np.ndarray:
-        """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offs)]."""
+        """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offs)], computed once
+        per batch (``sel.cache``)."""
+        key = (offs.tobytes(), base is not None)
+        got = sel.cache.get(key)
+        if got is None:
+            got = sel.cache[key] = self._rows_at_uncached(sel, offs, base)
+        return got
+
+    def _rows_at_uncached(self, sel: _Selection, offs: np.ndarray, base: np.ndarray | None
+                          ) -> np.ndarray:
+        if base is None and offs.size > 1 and offs[-1] - offs[0] == offs.size - 1:
+            return np.ascontiguousarray(sel.slots[:, self.j0 + offs[0] : self.j0 + offs[-1] + 1])
         cols = self.j0 + (offs if base is None else base[:, None] + offs[None, :])
         if cols.ndim == 1:
             return sel.slots[:, cols]
         return np.take_along_axis(sel.slots, cols, 1)
 
+    def _pad(self, sel: _Selection, name: str) -> np.ndarray | None:
+        key = ("pad", name)
+        if key not in sel.cache:
+            sel.cache[key] = _pad_of(sel.masks[name])
+        return sel.cache[key]
+
     def _gather(self, col: np.ndarray, slots: np.ndarray, dst: np.ndarray,
-                mask: np.ndarray | None) -> None:
+                pad: np.ndarray | None) -> None:
         """``dst[...] = col[slots]`` (dst shaped like slots + the row shape), zeros where
         ``mask`` is false. Contiguous destinations are gathered into directly."""
         if dst.flags.c_contiguous:
             flat = dst.reshape(slots.size, *col.shape[1:])
             np.take(col, slots.reshape(-1), axis=0, out=flat, mode="clip")
+            if pad is not None:
+                flat[pad] = 0
         else:
             dst[...] = np.take(col, slots.reshape(-1), axis=0, mode="clip").reshape(dst.shape)
-        if mask is not None and not mask.all():
-            dst[~mask] = 0
+            if pad is not None:
+                dst[np.unravel_index(pad, slots.shape)] = 0
 
     def fill(self, sel: _Selection, out: dict[str, np.ndarray]) -> None:
         """Gather every output array of ``sel`` into ``out`` (arrays of len(sel) rows)."""
@@ -220,14 +245,15 @@ class PlanReader:
         obs, nxt = plan.obs_field, plan.next_obs_field
         n = len(sel.anchors)
         j = np.zeros(n, np.int64)
+        sel.cache = {}
         for name, _, _ in c.outputs:
             dst = out[name]
             if name == MASK or name.endswith("_mask"):
                 dst[...] = sel.masks[name]
             elif self.T > 1:
                 src, shift = (obs, 1) if (name == nxt and c.derived_next_obs) else (name, 0)
-                slots = self._rows_at(sel, np.arange(self.T) + shift)
-                self._gather(cols[src], slots, dst, sel.masks[MASK])
+                slots = self._rows_at(sel, self._seq_offs[shift])
+                self._gather(cols[src], slots, dst, self._pad(sel, MASK))
             elif name == DISCOUNT:
                 dst[...] = nstep_discount(sel.term_last, sel.m, plan.gamma)
             elif name == STEPS:
@@ -238,30 +264,33 @@ class PlanReader:
                 self._fill_next(sel, dst, out)
             elif self.stack_offs is not None and name in plan.stack_fields:
                 slots = self._rows_at(sel, self.stack_offs)
-                self._gather(cols[name], slots, dst, sel.masks[f"{name}_mask"])
+                self._gather(cols[name], slots, dst, self._pad(sel, f"{name}_mask"))
             elif name in (self.term_field, self.trunc_field):
-                self._gather(cols[name], self._rows_at(sel, j[:1], sel.end), dst[:, None], None)
+                self._gather(cols[name], self._rows_at(sel, j[:1], self._end(sel)), dst[:, None], None)
             else:
-                self._gather(cols[name], sel.slots[:, self.j0 : self.j0 + 1], dst[:, None], None)
+                self._gather(cols[name], self._rows_at(sel, self._seq_offs[0][:1]), dst[:, None], None)
 
     def _fill_next(self, sel: _Selection, dst: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """next_obs of each transition's last step, stacked if the plan stacks obs."""
         c, cols = self.c, self.buf._cols
         one = np.zeros(1, np.int64)
         if c.derived_next_obs:
-            last_src, last_slots = cols[c.plan.obs_field], self._rows_at(sel, one + 1, sel.end)
+            last_src, last_slots = cols[c.plan.obs_field], self._rows_at(sel, one + 1, self._end(sel))
         else:
-            last_src, last_slots = cols[c.plan.next_obs_field], self._rows_at(sel, one, sel.end)
+            last_src, last_slots = cols[c.plan.next_obs_field], self._rows_at(sel, one, self._end(sel))
         if not self.next_stack:
             self._gather(last_src, last_slots, dst[:, None], None)
             return
         offs = self.stack_offs[self.stack_offs <= 0][1:]
         frames = np.empty((len(sel.anchors), len(offs), *dst.shape[2:]), dst.dtype)
         mask = sel.masks[f"{c.plan.next_obs_field}_mask"]
-        self._gather(cols[c.plan.obs_field], self._rows_at(sel, offs, sel.end), frames,
-                     mask[:, :-1])
+        self._gather(cols[c.plan.obs_field], self._rows_at(sel, offs, self._end(sel)), frames,
+                     _pad_of(mask[:, :-1]))
         dst[:, :-1] = frames
         self._gather(last_src, last_slots, dst[:, -1:], None)
+
+    def _end(self, sel: _Selection) -> np.ndarray | None:
+        return sel.end if self.n > 1 else None
 
     def _stable(self, sel: _Selection) -> np.ndarray:
         after = self.buf._stamps[sel.slots]
@@ -296,6 +325,12 @@ class PlanReader:
             f"in a row: writers lap the readers. Fix: a larger capacity (now "
             f"{self.buf.capacity} per lane) or slower writers"
         )
+
+
+def _pad_of(mask: np.ndarray) -> np.ndarray | None:
+    """Flat positions where ``mask`` is false (None if there are none)."""
+    pad = np.flatnonzero(~mask)
+    return pad if pad.size else None
 
 
 def read_plan_into(buf: ReplayBuffer, compiled: Compiled, out: dict[str, Any],

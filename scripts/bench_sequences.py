@@ -1,0 +1,486 @@
+#!/usr/bin/env python
+"""Sequence benchmark: ``[B, T]`` sequence batches, frame stacks, n-step and derived ``next_obs``.
+
+Issue 4's benchmark, in one run: sequence batches/s for T = 16 and 64 (B = 32 and 64) from a
+100k- and a 1M-row buffer, strict and episode-crossing windows, each against a plain gather of
+the same bytes, plus the cost of the transition options (frame_stack=4, n_step=3, derived
+next_obs) against plain uniform ``sample_into``. The method is bench_storage.py's: every case
+runs next to its baselines in the same round, the order flipped every other round; a rate is
+the median over rounds and a ratio the median of the per-round ratios. Benchmarks report, they
+do not gate: the exit code is 0 unless ``--check`` is given and a gated target is missed.
+Results and their reading: BENCHMARKS.md, "Sequences".
+
+    python scripts/bench_sequences.py [--quick] [--rounds N] [--json PATH] [--check]
+                                      [--capacities SMALL,LARGE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shmbuf import ReplayBuffer, Spec
+
+SHM_DIR = "/dev/shm"
+# mujoco-sized rows (165 B): issue 2's workload, with ``terminated`` for n-step.
+STORED = {
+    "obs": ((17,), "float32"),
+    "next_obs": ((17,), "float32"),
+    "action": ((6,), "float32"),
+    "reward": ((), "float32"),
+    "terminated": ((), "bool"),
+}
+DERIVED = {k: v for k, v in STORED.items() if k != "next_obs"}  # next_obs read from obs[t+1]
+CAPACITIES = (100_000, 1_000_000)
+QUICK_CAPACITIES = (10_000, 100_000)
+SEQ_LENGTHS = (16, 64)
+SEQ_BATCHES = (32, 64)
+OPTION_BATCH = 256
+EPISODE_LEN = (200, 1000)  # episode lengths drawn uniformly from [lo, hi]
+OVERFILL = 1.25  # rows written per row of capacity: the ring has wrapped, as in training
+MIN_SIZE_RATIO = 0.85  # issue 4: the cost of a batch must not grow with the buffer's size
+NOT_PAYLOAD = ("mask", "discount", "steps")  # plan outputs not counted as gathered bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One timed operation: ``op()`` draws one batch of ``nbytes`` payload bytes."""
+
+    name: str
+    op: Callable[[], Any]
+    nbytes: int
+    n: int = 1
+    secs: list[float] = field(default_factory=list)  # seconds per batch, one per round
+    faults: list[float] = field(default_factory=list)  # minor page faults per batch
+
+    def _run(self, n: int) -> float:
+        op = self.op
+        t0 = time.perf_counter()
+        for _ in range(n):
+            op()
+        return time.perf_counter() - t0
+
+    def calibrate(self, seconds: float) -> None:
+        """Warm up, then pick n so that one measurement takes about ``seconds``."""
+        n, took = 1, self._run(1)
+        while took < min(0.02, seconds / 2):
+            n *= 4
+            took = self._run(n)
+        self.n = max(1, round(n * seconds / took))
+
+    def measure(self) -> None:
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        took = self._run(self.n)
+        f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.secs.append(took / self.n)
+        self.faults.append((f1 - f0) / self.n)
+
+    def summary(self) -> dict[str, Any]:
+        per = statistics.median(self.secs)
+        return {"batches_per_s": 1 / per, "gb_per_s": self.nbytes / per / 1e9,
+                "us_per_batch": per * 1e6, "payload_bytes": self.nbytes,
+                "faults_per_batch": statistics.median(self.faults), "batches_per_round": self.n,
+                "us_per_batch_rounds": [s * 1e6 for s in self.secs]}
+
+
+@dataclass
+class Group:
+    """Cases measured back to back in every round; ``pairs`` (case, baseline) give ratios of
+    their rates (batches/s), so > 1 means the case is faster."""
+
+    key: str
+    cases: list[Case]
+    pairs: list[tuple[str, str]]
+
+
+def run_rounds(groups: list[Group], rounds: int, seconds: float) -> None:
+    """Calibrate every case, then measure each group's cases back to back, ``rounds`` times,
+    in reverse order every other round (neither side of a ratio always runs first)."""
+    for g in groups:
+        for c in g.cases:
+            c.calibrate(seconds)
+    for r in range(rounds):
+        print(f"  round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+        for g in groups:
+            for c in g.cases if r % 2 == 0 else g.cases[::-1]:
+                c.measure()
+
+
+def summarize(g: Group) -> dict[str, Any]:
+    by_name = {c.name: c for c in g.cases}
+    ratios = {}
+    for a, b in g.pairs:
+        per_round = [y / x for x, y in zip(by_name[a].secs, by_name[b].secs)]
+        ratios[f"{a}/{b}"] = {"median": statistics.median(per_round), "min": min(per_round),
+                              "max": max(per_round), "rounds": per_round}
+    return {"cases": {c.name: c.summary() for c in g.cases}, "ratios": ratios}
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+def fill(buf: ReplayBuffer, rows: int, rng: np.random.Generator) -> int:
+    """Write episodes of random length (``EPISODE_LEN``) with one ``extend`` each until
+    ``rows`` rows are written; half end terminated, half truncated. The last one stays open.
+    Returns the number of episodes ended."""
+    hi = EPISODE_LEN[1]
+    pool = {n: rng.standard_normal((2 * hi, *s), dtype=np.float32) for n, (s, d) in STORED.items()
+            if d == "float32"}
+    term = np.zeros(hi, bool)
+    written = episodes = 0
+    with buf.writer() as w:
+        while written < rows:
+            length = min(int(rng.integers(EPISODE_LEN[0], hi + 1)), rows - written)
+            o = int(rng.integers(0, hi))
+            terminated = length < rows - written and bool(rng.integers(2))
+            term[length - 1] = terminated
+            w.extend({**{n: a[o : o + length] for n, a in pool.items()},
+                      "terminated": term[:length]})  # a derived buffer takes next_obs too
+            term[length - 1] = False
+            written += length
+            if written < rows:
+                w.end_episode(truncated=not terminated)
+                episodes += 1
+    return episodes
+
+
+def payload_bytes(outputs: Any, batch: int) -> int:
+    """Bytes of a batch's field arrays (not masks, discounts or step counts)."""
+    return batch * sum(math.prod(s) * d.itemsize for n, s, d in outputs
+                       if n not in NOT_PAYLOAD and not n.endswith("_mask"))
+
+
+def short(capacity: int) -> str:
+    """1000000 -> "1M", 100000 -> "100k", other sizes as they are."""
+    if capacity % 1_000_000 == 0:
+        return f"{capacity // 1_000_000}M"
+    return f"{capacity // 1000}k" if capacity % 1000 == 0 else str(capacity)
+
+
+# ------------------------------------------------------------------------------------------------
+# Groups
+# ------------------------------------------------------------------------------------------------
+def sequence_group(bufs: dict[int, ReplayBuffer], T: int, B: int, rng_seed: int,
+                   views: list[list[Any]]) -> Group:
+    """Strict and crossing windows from both buffers, and the raw gather from both.
+
+    The raw gather draws B start slots, builds the ``[B, T]`` index matrix and ``np.take``s
+    every field of the same shared memory into reused ``[B, T, ...]`` arrays: the same bytes,
+    without seqlock, window or episode checks. The two sizes of each case run next to each
+    other, so the size ratios compare neighbours. The column views go into ``views``, for the
+    caller to drop before closing.
+    """
+    cases = []
+    for mode in ("strict", "cross", "raw"):
+        for cap, buf in bufs.items():
+            rng = np.random.default_rng(rng_seed)
+            if mode == "raw":
+                cols = [(buf.column(n), np.empty((B, T, *f.shape), f.dtype))
+                        for n, f in buf.spec.items()]
+                flat = [(col, dst.reshape(B * T, *dst.shape[2:])) for col, dst in cols]
+                views.append(flat)
+                op, nbytes = _raw_op(flat, buf.capacity, T, B, rng), B * T * buf.spec.row_nbytes
+            else:
+                plan = buf.compile(sequence_length=T, cross_episodes=mode == "cross")
+                op = _sample_op(buf, plan.allocate(B), rng, plan)
+                nbytes = payload_bytes(plan.outputs, B)
+            cases.append(Case(f"{mode} {short(cap)}", op, nbytes))
+    small, large = (short(c) for c in bufs)
+    pairs = [(f"{m} {tag}", f"raw {tag}") for tag in (small, large) for m in ("strict", "cross")]
+    pairs += [(f"{m} {large}", f"{m} {small}") for m in ("strict", "cross", "raw")]
+    return Group(f"B={B} T={T}", cases, pairs)
+
+
+def _sample_op(buf: ReplayBuffer, out: dict[str, np.ndarray], rng: np.random.Generator,
+               plan: Any | None) -> Callable[[], Any]:
+    sample_into = buf.sample_into
+    return lambda: sample_into(out, rng, plan=plan)
+
+
+def _raw_op(flat: list[tuple[np.ndarray, np.ndarray]], capacity: int, T: int, B: int,
+            rng: np.random.Generator) -> Callable[[], None]:
+    take, integers, steps = np.take, rng.integers, np.arange(T, dtype=np.int64)
+
+    def raw() -> None:
+        idx = (integers(0, capacity - T + 1, size=B, dtype=np.int64)[:, None] + steps).ravel()
+        for col, dst in flat:
+            take(col, idx, axis=0, out=dst, mode="clip")
+
+    return raw
+
+
+def options_group(stored: ReplayBuffer, derived: ReplayBuffer, B: int, rng_seed: int) -> Group:
+    """Transition batches with each option against plain uniform ``sample_into`` of the same
+    fields (obs, next_obs, action, reward, terminated) from the stored-next_obs buffer."""
+    variants = [
+        ("plain", stored, {}),
+        ("frame_stack=4", stored, {"frame_stack": 4}),
+        ("n_step=3", stored, {"n_step": 3, "gamma": 0.99}),
+        ("derived next_obs", derived, {}),
+        ("derived, frame_stack=4", derived, {"frame_stack": 4}),
+        ("derived, n_step=3", derived, {"n_step": 3, "gamma": 0.99}),
+    ]
+    cases = []
+    for name, buf, kw in variants:
+        plan = buf.compile(**kw)
+        out = plan.allocate(B)
+        rng = np.random.default_rng(rng_seed)
+        # "plain" passes no plan: the buffer's own fast path, what sample(B) takes
+        op = _sample_op(buf, out, rng, None if name == "plain" else plan)
+        cases.append(Case(name, op, payload_bytes(plan.outputs, B)))
+    return Group(f"options B={B}", cases, [(c.name, "plain") for c in cases[1:]])
+
+
+# ------------------------------------------------------------------------------------------------
+# Machine, space check, report
+# ------------------------------------------------------------------------------------------------
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _selected(sysfs_choice: str) -> str:
+    """``always [madvise] never`` -> ``madvise``."""
+    start, end = sysfs_choice.find("["), sysfs_choice.find("]")
+    return sysfs_choice[start + 1 : end] if 0 <= start < end else sysfs_choice
+
+
+def machine() -> dict[str, Any]:
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), "?")
+    return {"cpu": model, "cores": os.cpu_count(), "numpy": np.__version__,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "thp_anon": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")}
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds all processes were busy since boot, this process's CPU seconds): their
+    difference over a run is what other processes used."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:9])
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return (user + nice + system + irq + softirq + steal) / ticks, r.ru_utime + r.ru_stime
+
+
+def check_space(capacities: tuple[int, ...]) -> str | None:
+    """An error message if /dev/shm or RAM cannot hold the three buffers (both sizes of the
+    stored buffer and the large derived one), else None."""
+    row = Spec(STORED).row_nbytes + 16  # + stamp and meta words
+    need = (sum(capacities) * row + max(capacities) * (Spec(DERIVED).row_nbytes + 16)
+            + (16 << 20))
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return (f"{SHM_DIR} has {free / 1e9:.2f} GB free; this run needs {need / 1e9:.2f} GB. "
+                f"Fix: run with --quick, free {SHM_DIR} (`shmbuf gc`), or give the container "
+                f"more (docker run --shm-size=1g)")
+    avail = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
+                  if line.startswith("MemAvailable:")), 1 << 62)
+    if avail < need + (256 << 20):
+        return (f"{avail / 1e9:.2f} GB of RAM available; this run needs about "
+                f"{(need + (256 << 20)) / 1e9:.2f} GB. Fix: run with --quick")
+    return None
+
+
+def fmt_us(us: float) -> str:
+    return f"{us:.1f} us" if us < 1000 else f"{us / 1000:.2f} ms"
+
+
+def _side(c: dict[str, Any]) -> str:
+    return f"{c['batches_per_s']:>9,.0f} {c['gb_per_s']:6.2f} {fmt_us(c['us_per_batch']):>9}"
+
+
+def report(res: dict[str, Any], caps: tuple[int, ...], targets: list[dict[str, Any]]) -> str:
+    small, large = (short(c) for c in caps)
+    lines = []
+    head = (f"{'B':>3} {'T':>3} {'windows':7} {'rows':>5}   {'batches/s':>9} {'GB/s':>6} "
+            f"{'per batch':>9}   {'raw gather':>9} {'GB/s':>6} {'per batch':>9}   "
+            f"{'ratio':>5}  range")
+    lines += ["sequences: buf.sample_into(out, rng, plan=buf.compile(sequence_length=T, "
+              "cross_episodes=...)) against a raw [B, T] np.take gather", head,
+              "-" * len(head)]
+    for key, g in res["sequences"].items():
+        B, T = (int(x.split("=")[1]) for x in key.split())
+        cs, rs = g["cases"], g["ratios"]
+        for cap in (small, large):
+            for mode in ("strict", "cross"):
+                r = rs[f"{mode} {cap}/raw {cap}"]
+                lines.append(f"{B:>3} {T:>3} {mode:7} {cap:>5}   {_side(cs[f'{mode} {cap}'])}   "
+                             f"{_side(cs[f'raw {cap}'])}   {r['median']:5.2f}  "
+                             f"{r['min']:.2f}-{r['max']:.2f}")
+    lines.append("")
+    head = (f"{'B':>3} {'T':>3} {'windows':7}   {large}/{small} rate  range        "
+            f"+us/batch   raw {large}/{small}  range        +us/batch")
+    lines += [f"size: each rate at {large} rows over the same rate at {small} rows "
+              f"(1.00 = no growth), and the time {large} adds per batch", head, "-" * len(head)]
+    for key, g in res["sequences"].items():
+        B, T = (int(x.split("=")[1]) for x in key.split())
+        cs, rs = g["cases"], g["ratios"]
+        raw = rs[f"raw {large}/raw {small}"]
+        raw_add = cs[f"raw {large}"]["us_per_batch"] - cs[f"raw {small}"]["us_per_batch"]
+        for mode in ("strict", "cross"):
+            r = rs[f"{mode} {large}/{mode} {small}"]
+            add = cs[f"{mode} {large}"]["us_per_batch"] - cs[f"{mode} {small}"]["us_per_batch"]
+            lines.append(f"{B:>3} {T:>3} {mode:7}   {r['median']:13.2f}  "
+                         f"{r['min']:.2f}-{r['max']:.2f}  {add:+9.1f}   {raw['median']:13.2f}  "
+                         f"{raw['min']:.2f}-{raw['max']:.2f}  {raw_add:+9.1f}")
+    lines.append("")
+    g = res["options"]
+    cs, rs = g["cases"], g["ratios"]
+    head = (f"{'transition batch':24} {'batches/s':>9} {'GB/s':>6} {'per batch':>9} "
+            f"{'flt':>4}   {'vs plain':>8}  range")
+    lines += [f"options: B={OPTION_BATCH} transitions from {large} rows, each against plain "
+              f"uniform sample_into of the stored buffer", head, "-" * len(head)]
+    for name, c in cs.items():
+        r = rs.get(f"{name}/plain")
+        ratio = f"{r['median']:8.2f}  {r['min']:.2f}-{r['max']:.2f}" if r else f"{'1':>8}"
+        lines.append(f"{name:24} {_side(c)} {c['faults_per_batch']:4.0f}   {ratio}")
+    lines.append("")
+    for t in targets:
+        lines.append(f"{'PASS' if t['pass'] else 'MISS'}  {t['label']}: {t['value']:.2f}")
+    return "\n".join(lines)
+
+
+def evaluate(res: dict[str, Any], caps: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Issue 4's gated target: per (B, T, windows), the large buffer's rate is at least
+    ``MIN_SIZE_RATIO`` of the small one's."""
+    small, large = (short(c) for c in caps)
+    out = []
+    for key, g in res["sequences"].items():
+        for mode in ("strict", "cross"):
+            v = g["ratios"][f"{mode} {large}/{mode} {small}"]["median"]
+            out.append({"label": f"{key} {mode}: {large} rate >= {MIN_SIZE_RATIO} x {small} rate",
+                        "value": v, "threshold": MIN_SIZE_RATIO, "pass": v >= MIN_SIZE_RATIO,
+                        "gated": True})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+def bench(caps: tuple[int, ...], rounds: int, seconds: float) -> dict[str, Any]:
+    """Create and fill the buffers, measure every group in rounds; the buffers are closed (and
+    their segments unlinked) however this returns."""
+    rng = np.random.default_rng(0)
+    views: list[list[Any]] = []
+    bufs: dict[int, ReplayBuffer] = {}
+    derived: ReplayBuffer | None = None
+    try:
+        t0 = time.perf_counter()
+        for cap in caps:
+            bufs[cap] = ReplayBuffer.create(Spec(STORED), cap)
+            fill(bufs[cap], int(cap * OVERFILL), rng)
+        derived = ReplayBuffer.create(Spec(DERIVED), caps[-1], next_obs="derived")
+        fill(derived, int(caps[-1] * OVERFILL), rng)
+        shm_mb = (sum(b.nbytes for b in bufs.values()) + derived.nbytes) / 1e6
+        print(f"  {len(caps) + 1} buffers, {shm_mb:.0f} MB of /dev/shm, filled in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        seq = [sequence_group(bufs, T, B, 10 * T + B, views)
+               for B in SEQ_BATCHES for T in SEQ_LENGTHS]
+        opt = options_group(bufs[caps[-1]], derived, OPTION_BATCH, 1)
+        run_rounds([*seq, opt], rounds, seconds)
+        return {"sequences": {g.key: summarize(g) for g in seq}, "options": summarize(opt),
+                "buffer_bytes": {short(c): b.nbytes for c, b in bufs.items()},
+                "derived_buffer_bytes": derived.nbytes}
+    except BaseException as e:  # Ctrl-C: the traceback's frames hold views; free them
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        for v in views:  # column views must be gone before the buffers unmap
+            v.clear()
+        for b in [*bufs.values(), derived]:
+            if b is not None:
+                b.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="10k/100k-row buffers and short rounds: a smoke test (about 5 s)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measurement rounds (default 7, or 3 with --quick)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="seconds per measurement per round (default 0.2, or 0.03 with --quick)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--check", action="store_true", help="exit 1 if a gated target is missed")
+    p.add_argument("--capacities", metavar="SMALL,LARGE",
+                   help="the two buffer sizes to compare (default 100000,1000000, or "
+                        "10000,100000 with --quick)")
+    args = p.parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
+    seconds = args.seconds if args.seconds is not None else (0.03 if args.quick else 0.2)
+    if rounds < 1 or seconds <= 0:
+        p.error("--rounds must be >= 1 and --seconds > 0")
+    caps = QUICK_CAPACITIES if args.quick else CAPACITIES
+    if args.capacities:
+        try:
+            caps = tuple(int(x) for x in args.capacities.split(","))
+        except ValueError:
+            caps = ()
+        if len(caps) != 2 or not 0 < caps[0] < caps[1] or caps[0] <= 2 * EPISODE_LEN[1]:
+            p.error(f"--capacities takes two sizes SMALL,LARGE with {2 * EPISODE_LEN[1]} < SMALL "
+                    f"< LARGE, got {args.capacities!r}")
+    problem = check_space(caps)
+    if problem:
+        print(f"bench_sequences: {problem}", file=sys.stderr)
+        return 2
+
+    info = machine()
+    busy0, own0 = cpu_seconds()
+    t0 = time.perf_counter()
+    try:
+        res = bench(caps, rounds, seconds)
+    except KeyboardInterrupt:
+        print("bench_sequences: interrupted; buffers closed", file=sys.stderr)
+        return 130
+    runtime = time.perf_counter() - t0
+    busy1, own1 = cpu_seconds()
+    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (runtime * (os.cpu_count() or 1))
+    targets = evaluate(res, caps)
+
+    print(f"shmbuf sequence benchmark{' (--quick)' if args.quick else ''}: "
+          f"{' and '.join(f'{c:,}' for c in caps)} rows of 165 B (mujoco), episodes of "
+          f"{EPISODE_LEN[0]}-{EPISODE_LEN[1]} steps, rings wrapped; {rounds} rounds x {seconds}s "
+          f"per case; medians")
+    print(f"machine: {info['cores']} cores, {info['cpu']}, numpy {info['numpy']}, "
+          f"Python {info['python']}, Linux {info['kernel']}; THP anon {_selected(info['thp_anon'])}"
+          f", shmem {_selected(info['thp_shmem'])}")
+    print(report(res, caps, targets))
+    if args.quick:
+        print(f"(--quick: {caps[0]:,} rows fit in the CPU caches, so the lines above test the "
+              f"script, not the target)")
+    print(f"runtime {runtime:.1f}s; other processes used {others:.0%} of the machine's CPU time"
+          f"{' (a noisy run: compare ratios, not rates)' if others > 0.1 else ''}")
+    if args.json:
+        doc = {"argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
+               "capacities": list(caps), "machine": info, "runtime_s": runtime,
+               "other_cpu_fraction": others, "results": res, "targets": targets}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    missed = [t for t in targets if t["gated"] and not t["pass"]]
+    return 1 if args.check and missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
