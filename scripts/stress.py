@@ -4,8 +4,10 @@
 Every row checks itself: it carries its lane, its logical index, a payload filled with a byte
 derived from both, and a 64-bit hash of both. The learner verifies every row of every batch
 against ``batch.lanes``/``batch.indices``, so a torn row (two writes mixed), a stale row or a
-foreign row is caught. Exits non-zero on any corrupt row, any hang past ``--hang-timeout``, or any
-entry left in /dev/shm.
+foreign row is caught. With ``--sampler queue`` it also checks that every row is delivered
+exactly once, oldest first (no duplicate, no gap within a lane). With ``--sampler prioritized``
+the learner updates priorities on every batch. Exits non-zero on any corrupt row, duplicate or
+gap, any hang past ``--hang-timeout``, or any entry left in /dev/shm.
 
     python scripts/stress.py --actors 3 --workers 2 --seconds 30 --kill-every 0.5
 """
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-timeout", type=float, default=15.0,
                    help="a next() that waits longer than this is a hang")
     p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
+    p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized", "queue"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 payload=((args.payload,), "uint8"))
     rng = random.Random(args.seed)
     kills = {"actor": 0, "worker": 0}
-    batches = rows = corrupt = timeouts = 0
+    batches = rows = corrupt = timeouts = duplicates = 0
+    delivered: list[list[np.ndarray]] = [[] for _ in range(args.actors)]  # queue mode
     actor = functools.partial(stress_actor, payload=args.payload, max_extend=args.max_extend)
     print(f"stress: {args.actors} actors x {args.workers} workers, {args.seconds:g} s, kill every "
           f"{args.kill_every:g} s, capacity {args.capacity}/lane, batch {args.batch_size}",
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_restarts_per_minute=10_000) as group, \
             SamplerPool(buf, batch_size=args.batch_size, n_workers=args.workers,
                         start_method=args.start_method, seed=args.seed, min_size=args.batch_size,
-                        max_restarts_per_minute=10_000, timeout=args.hang_timeout) as pool:
+                        max_restarts_per_minute=10_000, timeout=args.hang_timeout,
+                        sampler=args.sampler) as pool:
         next_kill = time.monotonic() + args.kill_every if args.kill_every > 0 else float("inf")
         next_report = time.monotonic() + 2.0
         while time.monotonic() - t0 < args.seconds:
@@ -138,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"FAIL: {bad} corrupt row(s) in batch {batches}", flush=True)
             batches += 1
             rows += batch.batch_size
+            if args.sampler == "prioritized":
+                prio = np.random.default_rng(batches).random(batch.batch_size)
+                pool.update_priorities(batch.indices, prio, batch.lanes)
+            elif args.sampler == "queue":
+                for k in np.unique(batch.lanes):
+                    delivered[k].append(np.asarray(batch.indices)[np.asarray(batch.lanes) == k])
             group.poll()
             now = time.monotonic()
             if now >= next_kill:
@@ -158,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         st = pool.stats()
         actor_restarts = group.restarts
     signal.alarm(0)
+    gaps = 0
+    if args.sampler == "queue":  # exactly once, oldest first: each lane's indices consecutive
+        for k, parts in enumerate(delivered):
+            if parts:
+                got = np.concatenate(parts)
+                duplicates += int(got.size - np.unique(got).size)
+                gaps += int((np.diff(got) != 1).sum())
+                if duplicates or gaps:
+                    print(f"FAIL: lane {k}: {duplicates} duplicate(s), {gaps} gap(s)", flush=True)
 
     deadline = time.monotonic() + 5.0
     leaked = left_behind(shm_before)
@@ -167,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: {written:,} rows written; {batches:,} batches ({rows:,} rows) verified; "
           f"{corrupt} corrupt rows; kills survived: {kills['actor']} actors, {kills['worker']} "
           f"workers; restarts: {actor_restarts} actors, {st['restarts']} workers; "
-          f"{timeouts} hangs; {len(leaked)} /dev/shm entries left {leaked if leaked else ''}")
-    failed = corrupt or timeouts or leaked or batches == 0
+          f"{timeouts} hangs; {len(leaked)} /dev/shm entries left {leaked if leaked else ''}"
+          + (f"; queue: {duplicates} duplicates, {gaps} gaps" if args.sampler == "queue" else ""))
+    failed = corrupt or timeouts or leaked or batches == 0 or duplicates or gaps
     print("FAIL" if failed else "PASS", flush=True)
     return 1 if failed else 0
 

@@ -616,10 +616,13 @@ class SamplerPool:
                 return self._hold(slot)
             if self._waiting:
                 self._retry_waiting()
+            if self._table is not None and self._select is None:
+                self._table.sync(self._buf)  # workers may be waiting for rows to enter
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
-            self._poll(min(remaining, 0.002 if self._waiting else POLL_SLICE))
+            quick = self._waiting or self._table is not None
+            self._poll(min(remaining, 0.002 if quick else POLL_SLICE))
 
     def _pop_ready(self) -> int | None:
         if self.ordered:  # the oldest assignment first, once it is ready
@@ -748,7 +751,7 @@ class SamplerPool:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing applied).
         """
         self._check_open()
-        if self._table is None:
+        if self._table is None or self._opts["sampler"] != "prioritized":
             raise ShmbufError(
                 "update_priorities() needs a prioritized pool: SamplerPool(..., "
                 "sampler='prioritized')"
@@ -757,12 +760,21 @@ class SamplerPool:
             if self._buf.lanes == 1:
                 lanes = 0
             else:
-                lanes = next((ln for ref, ln in self._recent if ref == id(indices)), None)
+                # Newest first: a staging slot's indices array is the same object for every
+                # batch that slot carries, and only its latest batch's lanes are the right ones.
+                lanes = next((ln for ref, ln in reversed(self._recent) if ref == id(indices)),
+                             None)
                 if lanes is None:
                     raise ValueError(
                         "pass lanes=batch.lanes: the buffer has several lanes and these indices "
                         "are not the indices array of a recent batch"
                     )
+        # Enter rows committed since the last batch first: an update for a row overwritten
+        # since it was sampled is then recognised (by its slot's generation) and dropped.
+        if self._select is not None:  # max_times_sampled: a retired row stays retired
+            self._select.sync()
+            return self._select.update(lanes, indices, priorities)
+        self._table.sync(self._buf)
         return self._table.update(lanes, indices, priorities)
 
     def _waiting_for(self) -> str:

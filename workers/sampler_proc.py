@@ -26,7 +26,7 @@ import cloudpickle
 import numpy as np
 
 from shmbuf import ReplayBuffer
-from shmbuf.errors import SamplingError
+from shmbuf.errors import EmptyBufferError, SamplingError
 
 from .channel import Channel
 from shmbuf.priority import PriorityTable
@@ -217,18 +217,34 @@ class _Worker:
 
     def _sample(self, slot: int, views: dict[str, np.ndarray]) -> Any:
         target = self.targets[slot] if self.transform is None else self.scratch
-        for attempt in range(SAMPLING_ERRORS_BEFORE_REPORT):
-            try:
-                if self.table is not None:
-                    draw = self.buf.sample_into(target, self.rng, sampler=self.table.draw)
-                else:
+        if self.table is not None:
+            draw = self._sample_prioritized(target)
+        else:
+            for attempt in range(SAMPLING_ERRORS_BEFORE_REPORT):
+                try:
                     draw = self.buf.sample_into(target, self.rng, plan=self.compiled)
-                break
-            except SamplingError:
-                if attempt == SAMPLING_ERRORS_BEFORE_REPORT - 1:
-                    raise
+                    break
+                except SamplingError:
+                    if attempt == SAMPLING_ERRORS_BEFORE_REPORT - 1:
+                        raise
         self._apply_transform(views)
         return draw
+
+    def _sample_prioritized(self, target: dict[str, np.ndarray]) -> Any:
+        """Draw from the learner's priority table. When writers lap the buffer faster than the
+        learner enters their rows, the table's leaves point at overwritten rows for a while:
+        that is "not ready yet", not an error, so wait for the learner's next sync."""
+        pause = 1e-4
+        while True:
+            try:
+                return self.buf.sample_into(target, self.rng, sampler=self.table.draw)
+            except (SamplingError, EmptyBufferError):
+                time.sleep(pause)
+                pause = min(pause * 2, 5e-3)
+                self._check_learner()
+                self._receive(0)
+                if any(op == OP_STOP for op, _, _ in self.pending):
+                    raise LearnerGone from None
 
     def _apply_transform(self, views: dict[str, np.ndarray]) -> None:
         if self.transform is not None:
