@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts.append((f"training loop >= 1.6x on {cores} cores", best["speedup"] >= 1.6,
                      f"{best['speedup']:.2f}x with {best['n_workers']} worker(s)"))
 
-    print(f"\n(3) scaling with n_workers (atari batch 256, no train step)")
+    print("\n(3) scaling with n_workers (atari batch 256, no train step)")
     with filled_buffer("atari", cap["atari"]) as buf:
         rows = scaling(buf, 256, max_workers, secs)
     results["scaling"] = rows

@@ -21,7 +21,6 @@ from . import layout as L
 from .errors import (
     ClosedError,
     LaneBusyError,
-    RateLimitTimeout,
     SamplingError,
     SpecMismatchError,
     StaleIndexError,

@@ -80,9 +80,11 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
         check_open()
         now = time.monotonic()
         if now >= deadline:
+            fix = ("a larger timeout, or a learner that takes batches faster" if queue else
+                   "a larger timeout, more sampling, or a larger samples_per_insert tolerance")
             raise RateLimitTimeout(
                 f"{who}: waited {timeout}s for room for {n} row(s): {why}. Nothing was written. "
-                f"Fix: a larger timeout, more sampling, or a larger tolerance"
+                f"Fix: {fix}"
             )
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 2e-3)

@@ -680,7 +680,7 @@ def test_a_reader_racing_big_extends_never_sees_a_full_lane_as_empty():
         idx = np.arange(win.lo[0], win.hi[0])
         assert buf._reserved_v[0] - 64 <= idx.min() and idx.max() < w.committed
         real[0] = w.committed  # the claim is dropped (nothing was written for it)
-        del real
+        real = None  # drop the view before the buffer closes
         w.close()
 
 

@@ -466,6 +466,8 @@ class SamplerPool:
                     ring.set(slot, W_STATE, FREE)
                     ring.set(slot, W_OWNER, -1)
                     self._waiting.append(slot)
+                    if slot in self._order:  # it gets a new place once it has rows again
+                        self._order.remove(slot)
                     return
                 self._slot_rows[slot] = rows
                 if isinstance(self._select, QueueSelection):
@@ -816,6 +818,8 @@ class SamplerPool:
             "learner_wait_s": self._wait_s,
             "learner_wait_frac": self._wait_s / elapsed,
             "restarts": self._budget.total,
+            "priority_updates_dropped": (self._table.updates_dropped
+                                         if self._table is not None else 0),
             "elapsed_s": elapsed,
             "workers": [
                 {"id": w.wid, "pid": w.proc.pid if w.proc else None,

@@ -100,13 +100,31 @@ class CountedSelection:
             sumtree.update(t.sums, t.mins, ln, leaf, values)
         return None
 
+    def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
+        """``PriorityTable.update`` (checks included), after which the rows already delivered
+        ``k`` times are set back to zero: a new priority must not bring a retired row back."""
+        applied = self.table.update(lanes, indices, priorities)
+        C = self.buf.capacity
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        ln = np.broadcast_to(np.asarray(lanes, np.int64), idx.shape).reshape(-1)
+        slots = ln * C + idx % C
+        done = (self.counts[slots] >= self.k) & (self.table.gen[slots] == idx)
+        if done.any():
+            sumtree.update(self.table.sums, self.table.mins, ln[done], idx[done] % C,
+                           np.zeros(int(done.sum())))
+        return applied
+
     def gathered(self, slot: int) -> None:
         pass
 
     def stale(self, rows: Rows) -> None:
         """Rows overwritten before a worker gathered them: their draws are not spent."""
         lanes, indices = rows[0], rows[1]
-        np.subtract.at(self.counts, lanes * self.buf.capacity + indices % self.buf.capacity, 1)
+        slots = lanes * self.buf.capacity + indices % self.buf.capacity
+        # A slot whose new row was entered meanwhile (sync) holds that row's fresh count: the
+        # stale draws were not of it, so they give it nothing back.
+        same = self.table.gen[slots] == indices
+        np.subtract.at(self.counts, slots[same], 1)
 
     def close(self) -> None:
         pass

@@ -42,14 +42,21 @@ def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.nda
     f = base + P + leaves.astype(np.int64)
     flat_s[f] = values
     flat_m[f] = np.where(values > 0, values, np.inf)
+    # Work per tree level on (lane base, node): sorted and unique once, the parents of a sorted
+    # unique set are sorted with duplicates adjacent, so each level dedups in O(n), no sort.
+    f = np.unique(f)
+    node, base = f % twoP, f - f % twoP
     for _ in range(depth(P)):
-        node = f % twoP
-        parent = np.unique(f - node + node // 2)
-        pnode = parent % twoP
-        left = parent - pnode + 2 * pnode
+        node >>= 1
+        keep = np.empty(node.size, bool)
+        keep[0] = True
+        np.not_equal(node[1:], node[:-1], out=keep[1:])
+        keep[1:] |= base[1:] != base[:-1]
+        node, base = node[keep], base[keep]
+        parent = base + node
+        left = base + 2 * node
         flat_s[parent] = flat_s[left] + flat_s[left + 1]
         flat_m[parent] = np.minimum(flat_m[left], flat_m[left + 1])
-        f = parent
 
 
 def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
