@@ -121,10 +121,17 @@ def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -
     return {"train_step_s": t_sample, "in_process_bps": ip, "pool_bps": pl, "speedup": pl / ip}
 
 
+def warm(pool: SamplerPool, seconds: float) -> None:
+    """Take batches for a while: every process pays a page fault per 4 KiB page it first
+    touches (~7 us each on this VM); measure the steady state a long run lives in."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pool.next()
+
+
 def pool_rate(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> float:
     with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
-        for _ in range(20):
-            pool.next()
+        warm(pool, seconds)
         n, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             pool.next()
@@ -132,13 +139,62 @@ def pool_rate(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> fl
         return n / (time.perf_counter() - start)
 
 
-def scaling(buf: ReplayBuffer, batch: int, max_workers: int, seconds: float) -> list[dict[str, float]]:
-    """(3) batches/s against n_workers."""
+def raw_gather(name: str, batch: int, seconds: float, conn: Any) -> None:
+    """A process gathering random rows of every field of the buffer into reused arrays, with
+    no shmbuf in the loop: the machine's bandwidth for this access pattern."""
+    buf = ReplayBuffer.attach(name)
+    try:
+        cols = dict(buf._cols)
+        out = {k: np.empty((batch, *v.shape[1:]), v.dtype) for k, v in cols.items()}
+        rng = np.random.default_rng(os.getpid())
+        rows = cols[next(iter(cols))].shape[0]
+        n = 0
+        end = time.perf_counter() + 2 * seconds  # warm up, then measure
+        start = None
+        while time.perf_counter() < end:
+            if start is None and time.perf_counter() > end - seconds:
+                start, n = time.perf_counter(), 0
+            idx = rng.integers(0, rows, batch)
+            for k, v in cols.items():
+                np.take(v, idx, axis=0, out=out[k], mode="clip")
+            n += 1
+        conn.send(n / (time.perf_counter() - start))
+        del cols, out, v  # views of the segment: drop them before close()
+    finally:
+        buf.close()
+
+
+def raw_rate(buf: ReplayBuffer, batch: int, procs: int, seconds: float) -> float:
+    import multiprocess
+
+    ctx = multiprocess.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(procs)]
+    ps = [ctx.Process(target=raw_gather, args=(buf.name, batch, seconds, child))
+          for _, child in pipes]
+    for p in ps:
+        p.start()
+    rates = [parent.recv() for parent, _ in pipes]
+    for p in ps:
+        p.join(10)
+    return sum(rates)
+
+
+def scaling(buf: ReplayBuffer, batch: int, max_workers: int, seconds: float,
+            rounds: int) -> list[dict[str, float]]:
+    """(3) batches/s against n_workers, beside n processes gathering the same rows raw; the
+    median of ``rounds`` interleaved rounds (this machine's rates swing by 20% run to run)."""
     row_bytes = buf.spec.row_nbytes
+    runs: dict[int, list[tuple[float, float]]] = {n: [] for n in range(1, max_workers + 1)}
+    for _ in range(rounds):
+        for n in runs:
+            runs[n].append((pool_rate(buf, batch, n, seconds), raw_rate(buf, batch, n, seconds)))
     out = []
-    for n in range(1, max_workers + 1):
-        bps = pool_rate(buf, batch, n, seconds)
-        out.append({"n_workers": n, "batches_per_s": bps, "gb_per_s": bps * batch * row_bytes / 1e9})
+    for n, rs in runs.items():
+        bps = statistics.median(r[0] for r in rs)
+        raw = statistics.median(r[1] for r in rs)
+        out.append({"n_workers": n, "batches_per_s": bps, "gb_per_s": bps * batch * row_bytes / 1e9,
+                    "raw_batches_per_s": raw, "raw_gb_per_s": raw * batch * row_bytes / 1e9,
+                    "rounds": [r[0] for r in rs]})
     return out
 
 
@@ -164,8 +220,12 @@ def with_actor(capacity: int, batch: int, workers: int, seconds: float) -> dict[
                 w.extend(rows)
         with ActorGroup(inserting_actor, 1, buf, lanes=[0]) as group, \
                 SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
-            for _ in range(20):
+            # Steady state: the actor has written a whole lap (its first touch of every page of
+            # its lane is behind it) and the workers have read for a while.
+            deadline = time.perf_counter() + 120
+            while (buf.committed(0) < 1.2 * capacity and time.perf_counter() < deadline):
                 pool.next()
+            warm(pool, seconds)
             c0, n, start = int(buf.committed(0)), 0, time.perf_counter()
             while time.perf_counter() - start < seconds:
                 pool.next()
@@ -188,7 +248,10 @@ def plot(rows: list[dict[str, float]], path: str, title: str) -> str:
     n = [r["n_workers"] for r in rows]
     bps = [r["batches_per_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(n, bps, "o-", label="measured")
+    ax.plot(n, bps, "o-", label="pool (measured)")
+    if "raw_batches_per_s" in rows[0]:
+        ax.plot(n, [r["raw_batches_per_s"] for r in rows], "s-", alpha=0.6,
+                label="raw gather, n processes")
     ax.plot(n, [bps[0] * k for k in n], "--", color="gray", label="linear (1 worker x n)")
     ax.plot(n, [0.8 * bps[0] * k for k in n], ":", color="gray", label="target 0.8 x linear")
     ax.set_xlabel("n_workers")
@@ -209,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default="bench-out/pool_scaling.png")
     p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    p.add_argument("--rounds", type=int, default=5, help="(3), (4): median of this many rounds")
     args = p.parse_args(argv)
     cores = os.cpu_count() or 2
     workers = args.workers or cores
     max_workers = args.max_workers or cores
     quick = args.quick
+    if quick:
+        args.rounds = 1
     cap = {"atari": 2000 if quick else 50_000, "mujoco": 20_000 if quick else 1_000_000}
+    warm_cap = 2000 if quick else 10_000  # (3), (4): lanes small enough to warm up quickly
     n_calls, secs = (30, 0.5) if quick else (300, 3.0)
     results: dict[str, Any] = {"cores": cores, "workers": workers}
     verdicts = []
@@ -250,29 +317,42 @@ def main(argv: list[str] | None = None) -> int:
     verdicts.append((f"training loop >= 1.6x on {cores} cores", best["speedup"] >= 1.6,
                      f"{best['speedup']:.2f}x with {best['n_workers']} worker(s)"))
 
-    print("\n(3) scaling with n_workers (atari batch 256, no train step)")
-    with filled_buffer("atari", cap["atari"]) as buf:
-        rows = scaling(buf, 256, max_workers, secs)
+    print("\n(3) scaling with n_workers (atari batch 256, no train step), beside n processes "
+          "gathering the same rows raw (the machine's bandwidth for this access pattern)")
+    with filled_buffer("atari", warm_cap) as buf:
+        rows = scaling(buf, 256, max_workers, secs, args.rounds)
     results["scaling"] = rows
     for r in rows:
-        eff = r["batches_per_s"] / (r["n_workers"] * rows[0]["batches_per_s"])
-        r["efficiency"] = eff
+        r["efficiency"] = r["batches_per_s"] / (r["n_workers"] * rows[0]["batches_per_s"])
+        r["raw_efficiency"] = r["raw_batches_per_s"] / (r["n_workers"] * rows[0]["raw_batches_per_s"])
+        r["of_raw"] = r["batches_per_s"] / r["raw_batches_per_s"]
         print(f"    {r['n_workers']} worker(s): {r['batches_per_s']:7.0f} batches/s "
-              f"{r['gb_per_s']:6.2f} GB/s  ({eff:.2f} of linear)")
+              f"{r['gb_per_s']:6.2f} GB/s ({r['efficiency']:.2f} of linear) | raw gather in "
+              f"{r['n_workers']} process(es): {r['raw_gb_per_s']:6.2f} GB/s "
+              f"({r['raw_efficiency']:.2f} of linear) | pool = {r['of_raw']:.2f} of raw")
     print("    " + plot(rows, args.plot, f"atari batch 256, {cores} cores"))
-    worst = min(rows, key=lambda r: r["efficiency"])
-    verdicts.append(("scaling >= 0.8 x n x one-worker rate", worst["efficiency"] >= 0.8,
-                     f"worst {worst['efficiency']:.2f} at {worst['n_workers']} workers"))
+    # "Until memory bandwidth is reached": a row passes at 0.8 of linear, or, where raw gathers
+    # themselves scale below 0.8 (the bandwidth is reached), at 0.8 of the raw rate.
+    ok = all(r["efficiency"] >= 0.8 or (r["raw_efficiency"] < 0.8 and r["of_raw"] >= 0.8)
+             for r in rows)
+    verdicts.append(("scaling >= 0.8 x n x one-worker rate until memory bandwidth", ok,
+                     "; ".join(f"{r['n_workers']}w: {r['efficiency']:.2f} of linear, "
+                               f"{r['of_raw']:.2f} of raw (raw scales {r['raw_efficiency']:.2f})"
+                               for r in rows)))
 
     print("\n(4) learner batches/s (no train step) while one actor inserts single transitions")
     results["with_actor"] = []
     best = None
     for n in sorted({1, workers}):
-        r = with_actor(cap["atari"], 256, n, secs)
+        runs = sorted((with_actor(warm_cap, 256, n, secs) for _ in range(args.rounds)),
+                      key=lambda r: r["learner_bps"])
+        r = dict(runs[len(runs) // 2], rounds=[(x["learner_bps"], x["actor_inserts_per_s"])
+                                                for x in runs])
         results["with_actor"].append(r)
         print(f"    {n} worker(s): learner {r['learner_bps']:.0f} atari-256 batches/s "
               f"({r['gb_per_s']:.2f} GB/s) with the actor at {r['actor_inserts_per_s']:,.0f} "
-              f"inserts/s")
+              f"inserts/s (median of {args.rounds}; rounds: "
+              + ", ".join(f"{b:.0f}/{a / 1e3:.0f}k" for b, a in r["rounds"]) + ")")
         ok = r["learner_bps"] >= 600 and r["actor_inserts_per_s"] > 50_000
         best = r if best is None or (ok, r["learner_bps"]) > (best[0], best[1]["learner_bps"]) \
             else best

@@ -341,7 +341,7 @@ class Segment:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     raise _capacity_error(bare, size, shm_free_bytes()) from None
                 raise
-            mm = mmap.mmap(fd, size)
+            mm = _map(fd, size)
             now = time.time()
             pid = os.getpid()
             start = process_start_time(pid)
@@ -416,7 +416,7 @@ class Segment:
                     f"segment {bare!r} is {size} bytes but its header says {header.total_size}: "
                     f"truncated or corrupt"
                 )
-            mm = mmap.mmap(fd, size)
+            mm = _map(fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -482,6 +482,20 @@ class Segment:
 
 _KIND_NAMES = {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring",
                L.KIND_PRIORITY: "priority table"}
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map a segment shared, read-write. Huge pages are requested: on a 4 KiB-page /dev/shm
+    every process pays a page fault per page it first touches (about 7 us each measured on a
+    VM), which transparent huge pages for shmem (``shmem_enabled=advise``) cut 512-fold."""
+    mm = mmap.mmap(fd, size)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+    return mm
 
 
 def unlink(name: str) -> bool:
