@@ -24,11 +24,12 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _timeout(name: str, value: Any) -> float:
+def _timeout(name: str, value: Any, positive: bool = False) -> float:
+    """Seconds: a number >= 0 (> 0 if ``positive``), else ValueError naming ``name``."""
     try:
         t = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if math.isnan(t) or t < 0:
-        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+    if math.isnan(t) or t < 0 or (positive and t == 0):
+        raise ValueError(f"{name} must be {'>' if positive else '>='} 0 seconds, got {value!r}")
     return t

@@ -226,20 +226,33 @@ def _unknown_names(given: set[str], names: tuple[str, ...]) -> str:
 _MISSING = object()
 
 
-def _fast_scalars(field: Field) -> tuple[frozenset[type], int, int]:
+def _float_max(dtype: np.dtype) -> float | None:
+    """Largest finite value of a float (or complex part) dtype narrower than float64."""
+    if dtype.kind not in "fc":
+        return None
+    part = np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
+    return float(np.finfo(part).max) if part.itemsize < 8 else None
+
+
+def _fast_scalars(field: Field) -> tuple[frozenset[type], int, int, float, float]:
     """What stores into scalar ``field`` with no further check: the scalar types that cannot be
     out of kind or range (the field's own NumPy scalar type, Python float/bool where safe), and
-    the range [lo, hi] in which a Python int is safe (empty: lo > hi)."""
+    the ranges [lo, hi] in which a Python int, and a Python float, are safe (empty: lo > hi).
+    A value outside takes the slow path, which refuses what would overflow in the store."""
     if field.shape != ():
-        return frozenset(), 1, 0
+        return frozenset(), 1, 0, 1.0, 0.0
     own = field.dtype.type
     kind = field.dtype.kind
     if kind in "fc":
-        return frozenset({own, float, bool}), -(1 << 63), 1 << 63
+        fmax = _float_max(field.dtype)
+        if fmax is None:  # float64 / complex128 hold every Python float
+            return frozenset({own, float, bool}), -(1 << 63), 1 << 63, 1.0, 0.0
+        imax = min(1 << 63, int(fmax))
+        return frozenset({own, bool}), -imax, imax, -fmax, fmax
     if kind == "b":
-        return frozenset({own, bool}), 1, 0
+        return frozenset({own, bool}), 1, 0, 1.0, 0.0
     info = np.iinfo(field.dtype)
-    return frozenset({own, bool}), int(info.min), int(info.max)
+    return frozenset({own, bool}), int(info.min), int(info.max), 1.0, 0.0
 
 
 class RowChecker:
@@ -289,6 +302,24 @@ class RowChecker:
         if ok is None:
             ok = cache[src] = bool(np.can_cast(src, self._fields[k].dtype, "same_kind"))
         return ok
+
+    def _check_range(self, op: str, field: Field, value: np.ndarray) -> None:
+        """A cast into a narrower float (float64 -> float32, int64 -> float16) must not turn a
+        finite value into inf: it would fail mid-store under warnings-as-errors, and store inf
+        otherwise. Checked on the slow path only (the dtypes differ)."""
+        fmax = _float_max(field.dtype)
+        if fmax is None or value.size == 0 or value.dtype.kind not in "iufc":
+            return
+        if value.dtype.kind in "fc" and value.dtype.itemsize <= field.dtype.itemsize:
+            return
+        mag = np.abs(value)
+        big = np.isfinite(mag) & (mag > fmax)
+        if big.any():
+            bad = value.reshape(-1)[int(np.flatnonzero(big.reshape(-1))[0])]
+            raise SpecMismatchError(
+                f"{op}(): field {field.name!r} ({field.dtype}) cannot hold {bad!r}: outside its "
+                f"finite range of +-{fmax:.4g} (it would become inf). Fix: clip or rescale it"
+            )
 
     def _dtype_error(self, op: str, field: Field, got: np.dtype) -> SpecMismatchError:
         if got == object:
@@ -345,14 +376,15 @@ class RowChecker:
             raise self._key_error(self._row_op, values)
         out = []
         append = out.append
-        for name, shape, dtype, fast_scalar, int_lo, int_hi, k in self._row_plan:
+        for name, shape, dtype, fast_scalar, int_lo, int_hi, f_lo, f_hi, k in self._row_plan:
             v = values.get(name, _MISSING)
             tv = type(v)
             if tv is np.ndarray:
                 if v.shape == shape and v.dtype is dtype and v.flags.c_contiguous:
                     append(v)
                     continue
-            elif tv in fast_scalar or (tv is int and int_lo <= v <= int_hi):
+            elif (tv in fast_scalar or (tv is int and int_lo <= v <= int_hi)
+                  or (tv is float and f_lo <= v <= f_hi)):
                 append(v)
                 continue
             append(self._check_value(k, v, values))
@@ -369,8 +401,10 @@ class RowChecker:
                     f"{field.shape}; got shape {v.shape}. Fix: pass a single row (for a batch "
                     f"of rows use extend())"
                 )
-            if v.dtype is not field.dtype and not self._castable_to(k, v.dtype):
-                raise self._dtype_error(self._row_op, field, v.dtype)
+            if v.dtype is not field.dtype:
+                if not self._castable_to(k, v.dtype):
+                    raise self._dtype_error(self._row_op, field, v.dtype)
+                self._check_range(self._row_op, field, v)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
                     f"{self._row_op}(): field {field.name!r} is a non-contiguous array (strides "
@@ -401,6 +435,12 @@ class RowChecker:
                     ) from None
         elif isinstance(v, float):
             ok = kind in "fc"
+            fmax = _float_max(field.dtype)
+            if ok and fmax is not None and abs(v) > fmax and v != float("inf") and v == v:
+                raise SpecMismatchError(
+                    f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold {v!r}: "
+                    f"outside its finite range of +-{fmax:.4g} (it would become inf)"
+                )
         elif isinstance(v, complex):
             ok = kind == "c"
         else:
@@ -410,8 +450,10 @@ class RowChecker:
                     f"{self._row_op}(): field {field.name!r} expects one transition of shape {field.shape}; "
                     f"got shape {arr.shape} ({type(v).__name__})"
                 )
-            if arr.dtype is not field.dtype and not self._castable_to(k, arr.dtype):
-                raise self._dtype_error(self._row_op, field, arr.dtype)
+            if arr.dtype is not field.dtype:
+                if not self._castable_to(k, arr.dtype):
+                    raise self._dtype_error(self._row_op, field, arr.dtype)
+                self._check_range(self._row_op, field, arr)
             return arr
         if field.shape != ():
             raise SpecMismatchError(
@@ -446,8 +488,10 @@ class RowChecker:
             if len(s) != ndim or s[1:] != shape or (n >= 0 and s[0] != n):
                 self._batch_shape_error(k, v, n, arrays)
             n = s[0]
-            if v.dtype is not dtype and not self._castable_to(k, v.dtype):
-                raise self._dtype_error(self._batch_op, self._fields[k], v.dtype)
+            if v.dtype is not dtype:
+                if not self._castable_to(k, v.dtype):
+                    raise self._dtype_error(self._batch_op, self._fields[k], v.dtype)
+                self._check_range(self._batch_op, self._fields[k], v)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
                     f"{self._batch_op}(): field {name!r} is a non-contiguous array (strides "

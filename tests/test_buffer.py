@@ -262,26 +262,33 @@ def test_float_overflow_during_the_store_leaves_the_ring_consistent(wrapped):
     assert w.committed == 11 and w.add(**good_row(11)) == 11
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (not fixed): add()/extend() validate dtypes by kind only; a cast that overflows "
-    "(float64 1e300 -> float32) warns during the store, and with warnings as errors (-W error) "
-    "the exception leaves `reserved` advanced and the slot odd: the row that held index i-C is "
-    "dropped from the window although add() raised. Fix idea: do stores under "
-    "np.errstate(over='ignore') or check float ranges before touching shared memory."))
-def test_float_overflow_under_warnings_as_errors_changes_nothing(wrapped):
+@pytest.mark.parametrize("reward", [np.float64(1e300), 1e300, -1e39, np.array(1e300)])
+def test_float_overflow_under_warnings_as_errors_changes_nothing(wrapped, reward):
+    """A value a float32 field cannot hold (it would become inf, warning during the store) is
+    refused before the store, so even with warnings as errors nothing changes."""
     import warnings
 
     buf, w = wrapped
     before = snapshot(buf)
     row = good_row(11)
-    row["reward"] = np.float64(1e300)
+    row["reward"] = reward
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        try:
+        with pytest.raises(shmbuf.SpecMismatchError, match="reward.*range"):
             w.add(**row)
-        except Exception:  # noqa: BLE001 - the claim is only "nothing changed"
-            pass
     assert snapshot(buf) == before
+
+
+def test_float_overflow_in_extend_is_refused_before_the_store(wrapped):
+    buf, w = wrapped
+    before = snapshot(buf)
+    batch = good_batch(3)
+    batch["reward"] = np.array([1.0, 1e300, 2.0])  # float64 into float32
+    with pytest.raises(shmbuf.SpecMismatchError, match="reward.*1e\\+300"):
+        w.extend(batch)
+    assert snapshot(buf) == before
+    batch["reward"] = np.array([1.0, np.inf, np.nan])  # inf and nan store as they are
+    w.extend(batch)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf import layout as L
+from shmbuf._util import _positive_int, _timeout
 from shmbuf.errors import (
     BufferInUseError,
     ClosedError,
@@ -937,20 +938,8 @@ class SamplerPool:
 
 
 # -- argument helpers ---------------------------------------------------------------------------------------
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def _seconds(name: str, value: Any) -> float:
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if math.isnan(t) or t <= 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-    return t
+    return _timeout(name, value, positive=True)
 
 
 def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> RateLimit | None:
