@@ -25,6 +25,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+try:
+    import benchlib
+except ModuleNotFoundError:  # imported as scripts.bench_pool or by path: benchlib is beside it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import benchlib
+from benchlib import busy, random_rows  # part of this module's interface: tools import them
 from shmbuf import ReplayBuffer, Spec
 from workers import ActorContext, ActorGroup, SamplerPool
 
@@ -37,36 +43,13 @@ WORKLOADS = {
 CASES = [("atari", 32), ("atari", 256), ("mujoco", 256)]
 
 
-def random_rows(spec: Spec, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    out = {}
-    for name, f in spec.items():
-        if f.dtype.kind == "u":
-            out[name] = rng.integers(0, 255, (n, *f.shape), dtype=f.dtype)
-        elif f.dtype.kind == "b":
-            out[name] = rng.random((n, *f.shape)) < 0.01
-        elif f.dtype.kind == "i":
-            out[name] = rng.integers(0, 6, (n, *f.shape)).astype(f.dtype)
-        else:
-            out[name] = rng.standard_normal((n, *f.shape)).astype(f.dtype)
-    return out
-
-
 @contextlib.contextmanager
 def filled_buffer(workload: str, capacity: int) -> Iterator[ReplayBuffer]:
     spec = Spec(WORKLOADS[workload])
     rng = np.random.default_rng(0)
     with ReplayBuffer.create(spec, capacity=capacity) as buf:
-        with buf.writer() as w:
-            chunk = random_rows(spec, min(capacity, 5000), rng)
-            while w.committed < capacity:
-                w.extend(chunk)
+        benchlib.fill_repeating(buf, random_rows(spec, min(capacity, 5000), rng), capacity)
         yield buf
-
-
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def median_time(fn: Any, n: int) -> float:
@@ -214,10 +197,9 @@ def with_actor(capacity: int, batch: int, workers: int, seconds: float) -> dict[
     """(4) Learner batches/s while one actor process inserts single transitions."""
     spec = Spec(WORKLOADS["atari"])
     with ReplayBuffer.create(spec, capacity=capacity, lanes=2) as buf:
-        with buf.writer(lane=1) as w:  # a full lane to sample from while lane 0 fills
-            rows = random_rows(spec, 2000, np.random.default_rng(0))
-            while w.committed < capacity:
-                w.extend(rows)
+        # a full lane to sample from while lane 0 fills
+        benchlib.fill_repeating(buf, random_rows(spec, 2000, np.random.default_rng(0)), capacity,
+                                lane=1)
         with ActorGroup(inserting_actor, 1, buf, lanes=[0]) as group, \
                 SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
             # Steady state: the actor has written a whole lap (its first touch of every page of

@@ -19,27 +19,22 @@ is missed. Results and their reading: BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+import benchlib
+from benchlib import TimedCase, busy
 from shmbuf import ReplayBuffer, Spec
 from workers import SamplerPool
 
 ALPHA, BETA = 0.6, 0.4
 TD_POOL = 64  # distinct |TD| arrays cycled through (the RNG is not what is measured)
-SHM_DIR = "/dev/shm"
 
 WORKLOADS = {
     "mujoco": {
@@ -71,62 +66,8 @@ TARGETS = (
 
 
 # ------------------------------------------------------------------------------------------------
-# Measurement (the house pattern of bench_storage.py: calibrate, interleaved rounds, medians)
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class Case:
-    """``run(n)`` performs n batches and returns the seconds taken."""
-
-    name: str
-    run: Callable[[int], float]
-    n: int = 1
-    rates: list[float] = field(default_factory=list)  # batches/s per round
-
-    def calibrate(self, seconds: float) -> None:
-        n, took = 1, self.run(1)
-        while took < min(0.02, seconds / 2):
-            n *= 4
-            took = self.run(n)
-        self.n = max(1, round(n * seconds / took))
-
-    def measure(self) -> None:
-        self.rates.append(self.n / self.run(self.n))
-
-
-def run_rounds(cases: list[Case], rounds: int, seconds: float, label: str) -> None:
-    """Calibrate, then measure every case back to back in each round, the order reversed every
-    other round so that neither side of a ratio always runs first."""
-    for c in cases:
-        c.calibrate(seconds)
-    for r in range(rounds):
-        print(f"  {label}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-        for c in cases if r % 2 == 0 else cases[::-1]:
-            c.measure()
-
-
-def ratio(cases: dict[str, Case], a: str, b: str) -> dict[str, Any]:
-    per_round = [x / y for x, y in zip(cases[a].rates, cases[b].rates)]
-    return {"median": statistics.median(per_round), "min": min(per_round),
-            "max": max(per_round), "rounds": per_round}
-
-
-# ------------------------------------------------------------------------------------------------
 # The cases
 # ------------------------------------------------------------------------------------------------
-def random_rows(spec: Spec, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    out = {}
-    for name, f in spec.items():
-        shape = (n, *f.shape)
-        if f.dtype == np.bool_:
-            out[name] = rng.random(shape) < 0.01
-        elif f.dtype.kind == "f":
-            out[name] = rng.standard_normal(shape, dtype=np.float32).astype(f.dtype)
-        else:
-            out[name] = rng.integers(0, 256 if f.dtype == np.uint8 else 18, size=shape,
-                                     dtype=f.dtype)
-    return out
-
-
 def pool_runner(pool: SamplerPool, tds: list[np.ndarray] | None) -> Callable[[int], float]:
     """n learner iterations: ``next()``, plus ``update_priorities`` when ``tds`` is given."""
     k = [0]
@@ -177,12 +118,6 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def learner_cost(pool: SamplerPool, tds: list[np.ndarray], train_s: float, n: int
                  ) -> dict[str, float]:
     """Median seconds of ``next()`` and of ``update_priorities`` per batch, with a train step of
@@ -223,15 +158,13 @@ def bench_workload(name: str, capacity: int, rounds: int, seconds: float, n_work
     wl = WORKLOADS[name]
     spec = Spec(wl["spec"])
     rng = np.random.default_rng(0)
-    chunk = random_rows(spec, min(capacity, 5000), rng)
+    chunk = benchlib.random_rows(spec, min(capacity, 5000), rng)
     out: dict[str, Any] = {"capacity": capacity, "row_bytes": spec.row_nbytes,
                            "n_workers": n_workers, "batches": {}}
     t0 = time.perf_counter()
     rb, why = make_cpprb(spec, capacity, chunk)
     with ReplayBuffer.create(spec, capacity=capacity) as buf:
-        with buf.writer() as w:
-            while w.committed < capacity:
-                w.extend(chunk)
+        benchlib.fill_repeating(buf, chunk, capacity)
         for B in wl["batches"]:
             tds = [np.abs(rng.standard_normal(B)) for _ in range(TD_POOL)]
             # Workers start from a forkserver: they do not inherit cpprb's copy of the data.
@@ -249,16 +182,17 @@ def bench_workload(name: str, capacity: int, rounds: int, seconds: float, n_work
                 for p in pools.values():  # first batch: the prioritized trees are filled here
                     p.next()
                 cases = [
-                    Case("uniform", pool_runner(pools["uniform"], None)),
-                    Case("prioritized", pool_runner(pools["prioritized"], tds)),
-                    Case("uniform workers", pool_runner(pools["uniform workers"], None)),
-                    Case("prioritized workers", pool_runner(pools["prioritized workers"], tds)),
+                    TimedCase("uniform", pool_runner(pools["uniform"], None)),
+                    TimedCase("prioritized", pool_runner(pools["prioritized"], tds)),
+                    TimedCase("uniform workers", pool_runner(pools["uniform workers"], None)),
+                    TimedCase("prioritized workers",
+                              pool_runner(pools["prioritized workers"], tds)),
                 ]
                 if rb is not None:
-                    cases.append(Case("cpprb PER", cpprb_runner(rb, B, tds)))
+                    cases.append(TimedCase("cpprb PER", cpprb_runner(rb, B, tds)))
                 print(f"  {name} B={B}: set up in {time.perf_counter() - t0:.1f}s",
                       file=sys.stderr, flush=True)
-                run_rounds(cases, rounds, seconds, f"{name} B={B}")
+                benchlib.run_rounds([cases], rounds, seconds, f"{name} B={B}")
                 by = {c.name: c for c in cases}
                 res: dict[str, Any] = {
                     "rates": {c.name: {"median": statistics.median(c.rates), "rounds": c.rates}
@@ -271,7 +205,7 @@ def bench_workload(name: str, capacity: int, rounds: int, seconds: float, n_work
                 if rb is not None:
                     pairs += [("prioritized", "cpprb PER"), ("prioritized workers", "cpprb PER")]
                 for a, b in pairs:
-                    res["ratios"][f"{a}/{b}"] = ratio(by, a, b)
+                    res["ratios"][f"{a}/{b}"] = benchlib.ratio(by[a], by[b])
                 # Learner-side cost with workers. The train step is two in-process
                 # prioritized batches (as in bench_pool.py), long enough for the workers to
                 # refill the ring on a machine whose other core the learner keeps busy.
@@ -300,10 +234,8 @@ def bench_workload(name: str, capacity: int, rounds: int, seconds: float, n_work
 # Report
 # ------------------------------------------------------------------------------------------------
 def fmt_us(s: float | None) -> str:
-    if s is None:
-        return "-"
-    us = s * 1e6
-    return f"{us:.0f} us" if us < 1000 else f"{us / 1000:.2f} ms"
+    """Seconds as whole microseconds (or ms), "-" for None."""
+    return "-" if s is None else benchlib.fmt_us(s * 1e6, decimals=0)
 
 
 def report(results: dict[str, Any], n_workers: int) -> list[str]:
@@ -367,93 +299,46 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def check_space(plan: list[tuple[str, int]], cpprb_too: bool) -> str | None:
+def check_space(plan: list[tuple[str, int]], cpprb_too: bool) -> bool:
+    """Whether /dev/shm and RAM can hold the largest workload (and, with cpprb, cpprb's copy of
+    it); says why not on stderr."""
     need = max(cap * (Spec(WORKLOADS[wl]["spec"]).row_nbytes + 64) for wl, cap in plan)
-    st = os.statvfs(SHM_DIR)
-    if st.f_bavail * st.f_frsize < need + (64 << 20):
-        return (f"{SHM_DIR} has {st.f_bavail * st.f_frsize / 1e9:.2f} GB free; this run needs "
-                f"{need / 1e9:.2f} GB. Fix: --quick, `shmbuf gc`, or docker run --shm-size=4g")
-    avail = 1 << 62
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    if avail < (2 if cpprb_too else 1) * need + (1 << 30):
-        return f"{avail / 1e9:.1f} GB of RAM available, about {2 * need / 1e9:.1f} GB needed: --quick"
-    return None
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds all processes were busy since boot, CPU seconds of this process and its
-    waited-for children): their difference over a run is what other processes used."""
-    with open("/proc/stat") as f:
-        parts = f.readline().split()[1:9]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in parts)
-    busy_s = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    own = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
-    return busy_s, own
+    return benchlib.has_space("bench_prioritized", need + (64 << 20),
+                              (2 if cpprb_too else 1) * need + (1 << 30), "4g",
+                              "the buffer and cpprb's copy" if cpprb_too else "")
 
 
 def run_isolated(name: str, capacity: int, args: argparse.Namespace, rounds: int,
                  seconds: float) -> dict[str, Any]:
     """One workload in a fresh interpreter, like a learner (what earlier cases freed changes
     glibc's thresholds, and with them the cost of cpprb's fresh output arrays)."""
-    with tempfile.TemporaryDirectory(prefix="bench_prioritized-") as tmp:
-        path = os.path.join(tmp, "out.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--rounds", str(rounds), "--seconds",
-               str(seconds), "--workers", str(args.workers), "--cost-calls",
-               str(args.cost_calls), "--_workload", name, "--_capacity", str(capacity),
-               "--_out", path]
-        proc = subprocess.Popen(cmd)
-        try:
-            rc = proc.wait()
-        except BaseException:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-        if rc != 0:
-            raise RuntimeError(f"the {name} benchmark process exited with status {rc}")
-        with open(path) as f:
-            return json.load(f)
+    return benchlib.run_child(
+        __file__, ["--rounds", str(rounds), "--seconds", str(seconds), "--workers",
+                   str(args.workers), "--cost-calls", str(args.cost_calls), "--_workload", name,
+                   "--_capacity", str(capacity)], name)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small capacities, short rounds (< 30 s)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds (default 7; 3 with --quick)")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="seconds per case per round (default 0.25; 0.04 with --quick)")
+    run_options = benchlib.add_run_options(p, "small capacities, short rounds (< 30 s)", 0.25,
+                                           0.04)
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="sampler workers for the worker columns (default min(2, cores))")
     p.add_argument("--cost-calls", type=int, default=None,
                    help="batches per learner-cost measurement (default 200; 30 with --quick)")
     p.add_argument("--only", choices=list(WORKLOADS), action="append")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
-    p.add_argument("--_workload", help=argparse.SUPPRESS)
-    p.add_argument("--_capacity", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--_out", help=argparse.SUPPRESS)
+    benchlib.add_child_options(p)
     args = p.parse_args(argv)
-    rounds = args.rounds or (3 if args.quick else 7)
-    seconds = args.seconds or (0.04 if args.quick else 0.25)
+    rounds, seconds = run_options(args)
     if args.cost_calls is None:
         args.cost_calls = 30 if args.quick else 200
-    if rounds < 1 or seconds <= 0 or args.workers < 1:
-        p.error("--rounds and --workers must be >= 1 and --seconds > 0")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
 
     if args._workload:  # the child side of run_isolated
-        try:
-            res = bench_workload(args._workload, args._capacity, rounds, seconds, args.workers,
-                                 args.cost_calls)
-        except KeyboardInterrupt:
-            return 130
-        with open(args._out, "w") as f:
-            json.dump(res, f)
-        return 0
+        return benchlib.child_result(
+            args._out, lambda: bench_workload(args._workload, args._capacity, rounds, seconds,
+                                              args.workers, args.cost_calls))
 
     plan = [(n, wl["quick_capacity"] if args.quick else wl["capacity"])
             for n, wl in WORKLOADS.items() if not args.only or n in args.only]
@@ -463,12 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         have_cpprb = True
     except ImportError:
         have_cpprb = False
-    problem = check_space(plan, have_cpprb)
-    if problem:
-        print(f"bench_prioritized: {problem}", file=sys.stderr)
+    if not check_space(plan, have_cpprb):
         return 2
-    t0 = time.perf_counter()
-    busy0, own0 = cpu_seconds()
+    info = benchlib.machine()
+    clock = benchlib.RunClock()
     results: dict[str, Any] = {}
     try:
         for name, cap in plan:
@@ -476,12 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bench_prioritized: interrupted; buffers and pools closed", file=sys.stderr)
         return 130
-    runtime = time.perf_counter() - t0
-    busy1, own1 = cpu_seconds()
     # Sampler workers are forkserver children, not ours: their CPU time is reported back.
-    workers_s = sum(r.get("workers_cpu_s", 0.0) for r in results.values())
-    others = max(0.0, (busy1 - busy0) - (own1 - own0) - workers_s) / (
-        runtime * (os.cpu_count() or 1))
+    runtime, others = clock.stop(sum(r.get("workers_cpu_s", 0.0) for r in results.values()))
     caps = ", ".join(f"{n} capacity {c:,}" for n, c in plan)
     try:
         import cpprb
@@ -492,24 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shmbuf prioritized-replay benchmark{' (--quick)' if args.quick else ''}: {caps}; "
           f"alpha {ALPHA}, beta {BETA}; learner sends |TD| for every prioritized batch; "
           f"{rounds} rounds x {seconds}s per case; medians")
-    print(f"machine: {os.cpu_count()} cores, numpy {np.__version__}, Python "
-          f"{platform.python_version()}, cpprb {cp_version}")
+    print(f"machine: {info['cores']} cores, numpy {info['numpy']}, Python {info['python']}, "
+          f"cpprb {cp_version}")
     for line in report(results, args.workers):
         print(line)
     targets = evaluate(results)
     print()
     for t in targets:
         print(f"{'PASS' if t['pass'] else 'MISS'}  {t['label']}: {t['value']:.2f}x")
-    print(f"runtime {runtime:.1f}s; other processes used {others:.0%} of the machine's CPU "
-          f"time{' (a noisy run: compare ratios, not rates)' if others > 0.1 else ''}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv, "quick": args.quick, "rounds": rounds,
-                       "seconds": seconds, "workers": args.workers, "cpprb": cp_version,
-                       "runtime_s": runtime, "other_cpu_fraction": others,
-                       "workloads": results, "targets": targets}, f,
-                      indent=2)
-    return 1 if args.check and not all(t["pass"] for t in targets) else 0
+    print(benchlib.runtime_line(runtime, others))
+    return benchlib.finish(args, {
+        "argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
+        "workers": args.workers, "cpprb": cp_version, "runtime_s": runtime,
+        "other_cpu_fraction": others, "workloads": results, "targets": targets})
 
 
 def _dist_version(name: str) -> str:

@@ -17,24 +17,20 @@ Results and their reading: BENCHMARKS.md, "Sequences".
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import resource
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+import benchlib
+from benchlib import fmt_us
 from shmbuf import ReplayBuffer, Spec
 
-SHM_DIR = "/dev/shm"
 # mujoco-sized rows (165 B): issue 2's workload, with ``terminated`` for n-step.
 STORED = {
     "obs": ((17,), "float32"),
@@ -64,37 +60,10 @@ NOT_PAYLOAD = ("mask", "discount", "steps")  # plan outputs not counted as gathe
 # Measurement
 # ------------------------------------------------------------------------------------------------
 @dataclass
-class Case:
-    """One timed operation: ``op()`` draws one batch of ``nbytes`` payload bytes."""
+class Case(benchlib.TimedCase):
+    """One timed operation: one run draws one batch of ``nbytes`` payload bytes."""
 
-    name: str
-    op: Callable[[], Any]
-    nbytes: int
-    n: int = 1
-    secs: list[float] = field(default_factory=list)  # seconds per batch, one per round
-    faults: list[float] = field(default_factory=list)  # minor page faults per batch
-
-    def _run(self, n: int) -> float:
-        op = self.op
-        t0 = time.perf_counter()
-        for _ in range(n):
-            op()
-        return time.perf_counter() - t0
-
-    def calibrate(self, seconds: float) -> None:
-        """Warm up, then pick n so that one measurement takes about ``seconds``."""
-        n, took = 1, self._run(1)
-        while took < min(0.02, seconds / 2):
-            n *= 4
-            took = self._run(n)
-        self.n = max(1, round(n * seconds / took))
-
-    def measure(self) -> None:
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        took = self._run(self.n)
-        f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        self.secs.append(took / self.n)
-        self.faults.append((f1 - f0) / self.n)
+    nbytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         per = statistics.median(self.secs)
@@ -114,26 +83,9 @@ class Group:
     pairs: list[tuple[str, str]]
 
 
-def run_rounds(groups: list[Group], rounds: int, seconds: float) -> None:
-    """Calibrate every case, then measure each group's cases back to back, ``rounds`` times,
-    in reverse order every other round (neither side of a ratio always runs first)."""
-    for g in groups:
-        for c in g.cases:
-            c.calibrate(seconds)
-    for r in range(rounds):
-        print(f"  round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-        for g in groups:
-            for c in g.cases if r % 2 == 0 else g.cases[::-1]:
-                c.measure()
-
-
 def summarize(g: Group) -> dict[str, Any]:
     by_name = {c.name: c for c in g.cases}
-    ratios = {}
-    for a, b in g.pairs:
-        per_round = [y / x for x, y in zip(by_name[a].secs, by_name[b].secs)]
-        ratios[f"{a}/{b}"] = {"median": statistics.median(per_round), "min": min(per_round),
-                              "max": max(per_round), "rounds": per_round}
+    ratios = {f"{a}/{b}": benchlib.ratio(by_name[a], by_name[b]) for a, b in g.pairs}
     return {"cases": {c.name: c.summary() for c in g.cases}, "ratios": ratios}
 
 
@@ -205,7 +157,7 @@ def sequence_group(bufs: dict[int, ReplayBuffer], T: int, B: int, rng_seed: int,
                 plan = buf.compile(sequence_length=T, cross_episodes=mode == "cross")
                 op = _sample_op(buf, plan.allocate(B), rng, plan)
                 nbytes = payload_bytes(plan.outputs, B)
-            cases.append(Case(f"{mode} {short(cap)}", op, nbytes))
+            cases.append(Case(f"{mode} {short(cap)}", benchlib.loop_runner(op), nbytes=nbytes))
     small, large = (short(c) for c in bufs)
     pairs = [(f"{m} {tag}", f"raw {tag}") for tag in (small, large) for m in ("strict", "cross")]
     pairs += [(f"{m} {large}", f"{m} {small}") for m in ("strict", "cross", "raw")]
@@ -248,68 +200,20 @@ def options_group(stored: ReplayBuffer, derived: ReplayBuffer, B: int, rng_seed:
         rng = np.random.default_rng(rng_seed)
         # "plain" passes no plan: the buffer's own fast path, what sample(B) takes
         op = _sample_op(buf, out, rng, None if name == "plain" else plan)
-        cases.append(Case(name, op, payload_bytes(plan.outputs, B)))
+        cases.append(Case(name, benchlib.loop_runner(op), nbytes=payload_bytes(plan.outputs, B)))
     return Group(f"options B={B}", cases, [(c.name, "plain") for c in cases[1:]])
 
 
 # ------------------------------------------------------------------------------------------------
 # Machine, space check, report
 # ------------------------------------------------------------------------------------------------
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
-def _selected(sysfs_choice: str) -> str:
-    """``always [madvise] never`` -> ``madvise``."""
-    start, end = sysfs_choice.find("["), sysfs_choice.find("]")
-    return sysfs_choice[start + 1 : end] if 0 <= start < end else sysfs_choice
-
-
-def machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), "?")
-    return {"cpu": model, "cores": os.cpu_count(), "numpy": np.__version__,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "thp_anon": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
-            "thp_shmem": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled")}
-
-
-def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds all processes were busy since boot, this process's CPU seconds): their
-    difference over a run is what other processes used."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (
-        int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:9])
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return (user + nice + system + irq + softirq + steal) / ticks, r.ru_utime + r.ru_stime
-
-
-def check_space(capacities: tuple[int, ...]) -> str | None:
-    """An error message if /dev/shm or RAM cannot hold the three buffers (both sizes of the
-    stored buffer and the large derived one), else None."""
+def check_space(capacities: tuple[int, ...]) -> bool:
+    """Whether /dev/shm and RAM can hold the three buffers (both sizes of the stored buffer and
+    the large derived one); says why not on stderr."""
     row = Spec(STORED).row_nbytes + 16  # + stamp and meta words
     need = (sum(capacities) * row + max(capacities) * (Spec(DERIVED).row_nbytes + 16)
             + (16 << 20))
-    st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        return (f"{SHM_DIR} has {free / 1e9:.2f} GB free; this run needs {need / 1e9:.2f} GB. "
-                f"Fix: run with --quick, free {SHM_DIR} (`shmbuf gc`), or give the container "
-                f"more (docker run --shm-size=1g)")
-    avail = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
-                  if line.startswith("MemAvailable:")), 1 << 62)
-    if avail < need + (256 << 20):
-        return (f"{avail / 1e9:.2f} GB of RAM available; this run needs about "
-                f"{(need + (256 << 20)) / 1e9:.2f} GB. Fix: run with --quick")
-    return None
-
-
-def fmt_us(us: float) -> str:
-    return f"{us:.1f} us" if us < 1000 else f"{us / 1000:.2f} ms"
+    return benchlib.has_space("bench_sequences", need, need + (256 << 20), "1g")
 
 
 def _side(c: dict[str, Any]) -> str:
@@ -396,32 +300,28 @@ def bench(caps: tuple[int, ...], rounds: int, seconds: float) -> dict[str, Any]:
     """Create and fill the buffers, measure every group in rounds; the buffers are closed (and
     their segments unlinked) however this returns."""
     rng = np.random.default_rng(0)
-    views: list[list[Any]] = []
     bufs: dict[int, ReplayBuffer] = {}
     derived: ReplayBuffer | None = None
     try:
-        t0 = time.perf_counter()
-        for cap in caps:
-            bufs[cap] = ReplayBuffer.create(Spec(STORED), cap)
-            fill(bufs[cap], int(cap * OVERFILL), rng)
-        derived = ReplayBuffer.create(Spec(DERIVED), caps[-1], next_obs="derived")
-        fill(derived, int(caps[-1] * OVERFILL), rng)
-        shm_mb = (sum(b.nbytes for b in bufs.values()) + derived.nbytes) / 1e6
-        print(f"  {len(caps) + 1} buffers, {shm_mb:.0f} MB of /dev/shm, filled in "
-              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-        seq = [sequence_group(bufs, T, B, 10 * T + B, views)
-               for B in SEQ_BATCHES for T in SEQ_LENGTHS]
-        opt = options_group(bufs[caps[-1]], derived, OPTION_BATCH, 1)
-        run_rounds([*seq, opt], rounds, seconds)
-        return {"sequences": {g.key: summarize(g) for g in seq}, "options": summarize(opt),
-                "buffer_bytes": {short(c): b.nbytes for c, b in bufs.items()},
-                "derived_buffer_bytes": derived.nbytes}
-    except BaseException as e:  # Ctrl-C: the traceback's frames hold views; free them
-        traceback.clear_frames(e.__traceback__)
-        raise
+        # The column views go into ``views``: they must be gone before the buffers unmap.
+        with benchlib.releasing([]) as views:
+            t0 = time.perf_counter()
+            for cap in caps:
+                bufs[cap] = ReplayBuffer.create(Spec(STORED), cap)
+                fill(bufs[cap], int(cap * OVERFILL), rng)
+            derived = ReplayBuffer.create(Spec(DERIVED), caps[-1], next_obs="derived")
+            fill(derived, int(caps[-1] * OVERFILL), rng)
+            shm_mb = (sum(b.nbytes for b in bufs.values()) + derived.nbytes) / 1e6
+            print(f"  {len(caps) + 1} buffers, {shm_mb:.0f} MB of /dev/shm, filled in "
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+            seq = [sequence_group(bufs, T, B, 10 * T + B, views)
+                   for B in SEQ_BATCHES for T in SEQ_LENGTHS]
+            opt = options_group(bufs[caps[-1]], derived, OPTION_BATCH, 1)
+            benchlib.run_rounds([g.cases for g in [*seq, opt]], rounds, seconds)
+            return {"sequences": {g.key: summarize(g) for g in seq}, "options": summarize(opt),
+                    "buffer_bytes": {short(c): b.nbytes for c, b in bufs.items()},
+                    "derived_buffer_bytes": derived.nbytes}
     finally:
-        for v in views:  # column views must be gone before the buffers unmap
-            v.clear()
         for b in [*bufs.values(), derived]:
             if b is not None:
                 b.close()
@@ -429,22 +329,13 @@ def bench(caps: tuple[int, ...], rounds: int, seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="10k/100k-row buffers and short rounds: a smoke test (about 5 s)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="measurement rounds (default 7, or 3 with --quick)")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="seconds per measurement per round (default 0.2, or 0.03 with --quick)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--check", action="store_true", help="exit 1 if a gated target is missed")
+    run_options = benchlib.add_run_options(
+        p, "10k/100k-row buffers and short rounds: a smoke test (about 5 s)", 0.2, 0.03)
     p.add_argument("--capacities", metavar="SMALL,LARGE",
                    help="the two buffer sizes to compare (default 100000,1000000, or "
                         "10000,100000 with --quick)")
     args = p.parse_args(argv)
-    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
-    seconds = args.seconds if args.seconds is not None else (0.03 if args.quick else 0.2)
-    if rounds < 1 or seconds <= 0:
-        p.error("--rounds must be >= 1 and --seconds > 0")
+    rounds, seconds = run_options(args)
     caps = QUICK_CAPACITIES if args.quick else CAPACITIES
     if args.capacities:
         try:
@@ -454,45 +345,33 @@ def main(argv: list[str] | None = None) -> int:
         if len(caps) != 2 or not 0 < caps[0] < caps[1] or caps[0] <= 2 * EPISODE_LEN[1]:
             p.error(f"--capacities takes two sizes SMALL,LARGE with {2 * EPISODE_LEN[1]} < SMALL "
                     f"< LARGE, got {args.capacities!r}")
-    problem = check_space(caps)
-    if problem:
-        print(f"bench_sequences: {problem}", file=sys.stderr)
+    if not check_space(caps):
         return 2
 
-    info = machine()
-    busy0, own0 = cpu_seconds()
-    t0 = time.perf_counter()
+    info = benchlib.machine()
+    clock = benchlib.RunClock()
     try:
         res = bench(caps, rounds, seconds)
     except KeyboardInterrupt:
         print("bench_sequences: interrupted; buffers closed", file=sys.stderr)
         return 130
-    runtime = time.perf_counter() - t0
-    busy1, own1 = cpu_seconds()
-    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (runtime * (os.cpu_count() or 1))
+    runtime, others = clock.stop()
     targets = evaluate(res, caps)
 
     print(f"shmbuf sequence benchmark{' (--quick)' if args.quick else ''}: "
           f"{' and '.join(f'{c:,}' for c in caps)} rows of 165 B (mujoco), episodes of "
           f"{EPISODE_LEN[0]}-{EPISODE_LEN[1]} steps, rings wrapped; {rounds} rounds x {seconds}s "
           f"per case; medians")
-    print(f"machine: {info['cores']} cores, {info['cpu']}, numpy {info['numpy']}, "
-          f"Python {info['python']}, Linux {info['kernel']}; THP anon {_selected(info['thp_anon'])}"
-          f", shmem {_selected(info['thp_shmem'])}")
+    print(benchlib.machine_line(info))
     print(report(res, caps, targets))
     if args.quick:
         print(f"(--quick: {caps[0]:,} rows fit in the CPU caches, so the lines above test the "
               f"script, not the target)")
-    print(f"runtime {runtime:.1f}s; other processes used {others:.0%} of the machine's CPU time"
-          f"{' (a noisy run: compare ratios, not rates)' if others > 0.1 else ''}")
-    if args.json:
-        doc = {"argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
-               "capacities": list(caps), "machine": info, "runtime_s": runtime,
-               "other_cpu_fraction": others, "results": res, "targets": targets}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-    missed = [t for t in targets if t["gated"] and not t["pass"]]
-    return 1 if args.check and missed else 0
+    print(benchlib.runtime_line(runtime, others))
+    return benchlib.finish(args, {
+        "argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
+        "capacities": list(caps), "machine": info, "runtime_s": runtime,
+        "other_cpu_fraction": others, "results": res, "targets": targets})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ buffer's size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -331,8 +331,3 @@ def _pad_of(mask: np.ndarray) -> np.ndarray | None:
     """Flat positions where ``mask`` is false (None if there are none)."""
     pad = np.flatnonzero(~mask)
     return pad if pad.size else None
-
-
-def read_plan_into(buf: ReplayBuffer, compiled: Compiled, out: dict[str, Any],
-                   rng: np.random.Generator, max_retries: int) -> Draw:
-    return PlanReader(buf, compiled).read_into(out, rng, max_retries)

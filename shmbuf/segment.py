@@ -39,7 +39,6 @@ from .errors import (
     SegmentExistsError,
     SegmentFormatError,
     SegmentNotFoundError,
-    Timeout,
 )
 
 SHM_DIR = "/dev/shm"
@@ -554,12 +553,3 @@ def scan(include_foreign: bool = False) -> list[SegmentInfo]:
         finally:
             os.close(fd)
     return out
-
-
-def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.01) -> None:
-    """Poll ``predicate`` until true; raise ``Timeout`` naming ``what`` past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise Timeout(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(poll)
