@@ -156,9 +156,18 @@ def raw_rate(buf: ReplayBuffer, batch: int, procs: int, seconds: float) -> float
           for _, child in pipes]
     for p in ps:
         p.start()
-    rates = [parent.recv() for parent, _ in pipes]
-    for p in ps:
-        p.join(10)
+    try:
+        rates = []
+        for parent, _ in pipes:
+            if not parent.poll(2 * seconds + 60):
+                raise TimeoutError("a raw gathering process did not report within its time")
+            rates.append(parent.recv())
+    finally:
+        for p in ps:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
     return sum(rates)
 
 

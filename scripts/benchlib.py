@@ -286,6 +286,9 @@ def releasing(views: list[Any]) -> Iterator[list[Any]]:
             v.clear()
 
 
+CHILD_TIMEOUT = 30 * 60  # a workload child that runs longer than this is hung
+
+
 def run_child(script: str, argv: list[str], what: str) -> dict[str, Any]:
     """Run ``script`` in a fresh interpreter with ``argv`` and ``--_out PATH``, and return the
     JSON it writes to PATH (see ``child_result``).
@@ -298,8 +301,8 @@ def run_child(script: str, argv: list[str], what: str) -> dict[str, Any]:
         path = os.path.join(tmp, "result.json")
         proc = subprocess.Popen([sys.executable, os.path.abspath(script), *argv, "--_out", path])
         try:
-            rc = proc.wait()
-        except BaseException:
+            rc = proc.wait(CHILD_TIMEOUT)
+        except BaseException:  # Ctrl-C, or subprocess.TimeoutExpired: stop the child
             for stop in (None, proc.terminate, proc.kill):
                 if stop is not None:
                     stop()

@@ -16,6 +16,7 @@ import multiprocess
 import pytest
 
 from shmbuf import segment as shm_segment
+from tests.pool_procs import descendants
 
 SHM_DIR = "/dev/shm"
 START_METHODS = ["fork", "forkserver", "spawn"]
@@ -28,32 +29,9 @@ def _shm_entries() -> set[str]:
         return set()
 
 
-def _descendants(root: int) -> set[int]:
-    """``root`` and every live process below it."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read()
-            parent[int(entry)] = int(data[data.rindex(b")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    out = {root}
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parent.items():
-            if ppid in out and pid not in out:
-                out.add(pid)
-                changed = True
-    return out
-
-
 def _ours(new: set[str]) -> list[str]:
     """The subset of new /dev/shm entries this test run is answerable for."""
-    mine = _descendants(os.getpid())
+    mine = {os.getpid(), *descendants(os.getpid())}
     infos = {info.name: info for info in shm_segment.scan()}
     out = []
     for name in sorted(new):

@@ -435,7 +435,8 @@ def test_owner_created_in_a_thread_unlinks_on_sigterm():
     t = threading.Thread(target=lambda: box.setdefault(
         "b", shmbuf.ReplayBuffer.create({"x": ((4,), "float32")}, capacity=16)))
     t.start()
-    t.join()
+    t.join(30)
+    assert not t.is_alive(), "creating a buffer in a thread hung"
     print(box["b"].name, flush=True)
     sys.stdin.read()
     """
