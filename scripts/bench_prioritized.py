@@ -251,7 +251,7 @@ def report(results: dict[str, Any], n_workers: int) -> list[str]:
             rt, ra = r["rates"], r["ratios"]
 
             def cell(a: str, b: str) -> str:
-                x = ra[f"{a}/{b}"]
+                x = ra[f"{a}/{b}"]  # noqa: B023 (called within this iteration)
                 return f"{x['median']:5.2f} {x['min']:.2f}-{x['max']:.2f}"
 
             if "cpprb PER" in rt:

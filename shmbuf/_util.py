@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -25,11 +26,27 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _timeout(name: str, value: Any, positive: bool = False) -> float:
-    """Seconds: a number >= 0 (> 0 if ``positive``), else ValueError naming ``name``."""
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    if math.isnan(t) or t < 0 or (positive and t == 0):
-        raise ValueError(f"{name} must be {'>' if positive else '>='} 0 seconds, got {value!r}")
+    """Seconds for a blocking call: a finite real number >= 0 (> 0 if ``positive``).
+
+    The one check every public ``timeout=`` goes through. Refused, with a ValueError naming
+    ``name`` and the value: NaN (a deadline that never arrives), infinity (nothing in shmbuf
+    waits forever: pass a large number instead), negatives, and anything that is not a real
+    number, strings included (``"5"``: convert user input first; the CLI does).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"{name} must be a number of seconds, got {value!r} (a {type(value).__name__}). "
+            f"Fix: pass an int or float, e.g. {name}=5.0"
+        )
+    t = float(value)
+    bound = ">" if positive else ">="
+    if math.isnan(t):
+        raise ValueError(f"{name} must be {bound} 0 seconds, got {value!r} (not a number)")
+    if math.isinf(t):
+        raise ValueError(
+            f"{name} must be finite, got {value!r}: nothing in shmbuf waits forever. Fix: pass "
+            f"a large number of seconds instead (e.g. 86400 for a day)"
+        )
+    if t < 0 or (positive and t == 0):
+        raise ValueError(f"{name} must be {bound} 0 seconds, got {value!r}")
     return t

@@ -7,8 +7,8 @@ vectorised seqlock checks, never waiting on a writer and never delivering a torn
 from __future__ import annotations
 
 import math
+import operator
 import os
-import sys
 import time
 import warnings
 import weakref
@@ -22,9 +22,11 @@ from .errors import (
     ClosedError,
     LaneBusyError,
     SamplingError,
+    SegmentFormatError,
     SpecMismatchError,
     StaleIndexError,
 )
+from ._recycle import Recycler
 from ._util import _positive_int, _ring_segments, _timeout  # noqa: F401 (re-exported)
 from .episodes import EpisodeTable
 from .limiter import LimiterBlock, RateLimit
@@ -75,6 +77,8 @@ class ReplayBuffer:
     def __init__(self, segment: Segment) -> None:
         """Internal: use ``ReplayBuffer.create`` or ``ReplayBuffer.attach``."""
         doc = segment.header.doc
+        # The header is untrusted (segment.read_header checked its shape and ranges): any
+        # failure to make sense of it is a SegmentFormatError, with the segment closed.
         try:
             self._spec = Spec.from_json(doc["spec"])
             capacity, lanes = int(doc["capacity"]), int(doc["lanes"])
@@ -82,16 +86,19 @@ class ReplayBuffer:
             self._episode_spec = Spec.from_json(ep_doc) if ep_doc else None
             episode_capacity = int(doc.get("episode_capacity", 0))
             self.derived_next_obs = doc.get("next_obs", "stored") == "derived"
-        except (KeyError, TypeError, ValueError) as e:
+            json_len = len(L.encode_layout(doc))
+            self._layout = L.buffer_layout(
+                _field_tuples(self._spec), capacity, lanes, json_len,
+                _field_tuples(self._episode_spec) if self._episode_spec else [], episode_capacity)
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError, MemoryError) as e:
             segment.close()
-            raise SpecMismatchError(f"segment {segment.name!r} has a malformed layout: {e}") from None
-        json_len = len(L.encode_layout(doc))
-        self._layout = L.buffer_layout(
-            _field_tuples(self._spec), capacity, lanes, json_len,
-            _field_tuples(self._episode_spec) if self._episode_spec else [], episode_capacity)
+            raise SegmentFormatError(
+                f"segment {segment.name!r} has a malformed layout ({type(e).__name__}: "
+                f"{str(e)[:200]}); it was not made by this shmbuf"
+            ) from None
         if self._layout.total_size != segment.header.total_size:
             segment.close()
-            raise SpecMismatchError(
+            raise SegmentFormatError(
                 f"segment {segment.name!r}: layout says {self._layout.total_size} bytes, header "
                 f"says {segment.header.total_size}; it was made by an incompatible shmbuf"
             )
@@ -103,7 +110,7 @@ class ReplayBuffer:
         self._compiled: dict[Any, Compiled] = {}
         self._readers: dict[int, Any] = {}
         self._store_writer: Writer | None = None
-        self._recycled: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._recycled: dict[tuple[str, tuple[int, ...], str], Recycler] = {}
         self._zero_lanes: dict[int, np.ndarray] = {}
         self._lane0_committed = self._layout.lane_word(0, L.LANE_COMMITTED) // 8
         self._lane0_reserved = self._layout.lane_word(0, L.LANE_RESERVED) // 8
@@ -321,17 +328,26 @@ class ReplayBuffer:
 
         Raises:
             LaneBusyError: no lane became free in time.
+            ValueError: a bad argument (checked before any lane is taken).
         """
         self._check_open()
+        # Every argument is checked before a lease exists: a refused call holds no lane, not
+        # even while its exception (whose traceback keeps the frames alive) is still around.
+        wait = _timeout("timeout", timeout)
+        _timeout("insert_timeout", insert_timeout)
         if num_envs is not None or lanes is not None:
             return self._vector_writer(num_envs, lanes, timeout, insert_timeout)
         candidates = [self._lane_index(lane)] if lane is not None else self._lane_order()
         lease = self._seg.lease()
-        deadline = time.monotonic() + _timeout("timeout", timeout)
+        deadline = time.monotonic() + wait
         while True:
             for k in candidates:
                 if lease.try_lock(L.lock_lane(k)):
-                    w = Writer(self, k, lease, insert_timeout)
+                    try:
+                        w = Writer(self, k, lease, insert_timeout)
+                    except BaseException:
+                        lease.close()  # releases the lane now, not when the traceback dies
+                        raise
                     self._writers.add(w)
                     return w
             if time.monotonic() >= deadline:
@@ -357,8 +373,15 @@ class ReplayBuffer:
                     f"num_envs={num_envs} needs as many lanes, the buffer has {self.lanes}. Fix: "
                     f"create it with lanes >= num_envs"
                 )
-        elif num_envs is not None and num_envs != len(lanes):
-            raise ValueError(f"num_envs={num_envs} but {len(lanes)} lanes were given")
+        else:
+            lanes = [self._lane_index(k) for k in lanes]
+            if not lanes or len(set(lanes)) != len(lanes):
+                raise ValueError(
+                    f"lanes must list distinct lanes, at least one, got {lanes!r}: each env "
+                    f"writes its own lane"
+                )
+            if num_envs is not None and num_envs != len(lanes):
+                raise ValueError(f"num_envs={num_envs} but {len(lanes)} lanes were given")
         writers: list[Writer] = []
         try:
             if lanes is not None:
@@ -368,12 +391,12 @@ class ReplayBuffer:
             else:
                 for _ in range(num_envs):
                     writers.append(self.writer(timeout=timeout, insert_timeout=insert_timeout))
-        except BaseException:
+            vw = VectorWriter(self, sorted(writers, key=lambda w: w.lane) if lanes is None
+                              else writers)
+        except BaseException:  # every lane taken so far is released before this propagates
             for w in writers:
                 w.close()
             raise
-        vw = VectorWriter(self, sorted(writers, key=lambda w: w.lane) if lanes is None
-                          else writers)
         self._writers.add(vw)  # closed with the buffer, like plain writers
         return vw
 
@@ -548,19 +571,15 @@ class ReplayBuffer:
         return out
 
     def _output_array(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An array nobody else references: a recycled one if one is free, else a new one."""
+        """An array nobody else references: in the memory of a dropped one if there is one
+        (``Recycler``: decided by a weakref, never by reference counts), else new."""
         if math.prod(shape) * dtype.itemsize < RECYCLE_MIN_BYTES:
             return np.empty(shape, dtype)
-        free_list = self._recycled.setdefault((name, shape, dtype.str), [])
-        for arr in free_list:
-            # References: the free list, this loop's variable, getrefcount's argument. Any
-            # more (the caller's dict or variable, a view, a tensor) and it is still in use.
-            if sys.getrefcount(arr) == 3:
-                return arr
-        arr = np.empty(shape, dtype)
-        if len(free_list) < RECYCLE_KEEP:
-            free_list.append(arr)
-        return arr
+        key = (name, shape, dtype.str)
+        recycler = self._recycled.get(key)
+        if recycler is None:
+            recycler = self._recycled[key] = Recycler(shape, dtype, RECYCLE_KEEP)
+        return recycler.take()
 
     def _check_fields(self, fields: list[str]) -> list[str]:
         unknown = [f for f in fields if f not in self._spec]
@@ -615,10 +634,18 @@ class ReplayBuffer:
         step), ``length``, ``truncated`` and the episode-spec fields.
 
         Raises:
-            StaleIndexError: not finished yet, or older than the lane's ``episode_capacity``.
+            StaleIndexError: not finished yet, older than the lane's ``episode_capacity``, or
+                emptied by ``clear()``.
+            ValueError: a negative id. TypeError: an id that is not an integer.
         """
         self._check_open()
-        return self._episodes.get(int(episode_id), self._lane_index(lane))
+        try:
+            episode_id = operator.index(episode_id)
+        except TypeError:
+            raise TypeError(
+                f"episode id must be an int, got {type(episode_id).__name__} {episode_id!r}"
+            ) from None
+        return self._episodes.get(episode_id, self._lane_index(lane))
 
     def episodes(self, lane: int | None = None) -> dict[str, np.ndarray]:
         """Every episode record held now (one lane, or all), as arrays ordered by lane, id."""
@@ -694,13 +721,15 @@ class ReplayBuffer:
         return len(self)
 
     def clear(self, timeout: float = 5.0) -> None:
-        """Empty every lane. Logical indices keep growing (old ones are never reused), so
-        indices and priorities taken before are simply stale afterwards.
+        """Empty every lane, and drop the records of the episodes those rows held. Logical
+        indices and episode ids keep growing (old ones are never reused), so indices,
+        priorities and episode ids taken before are simply stale afterwards.
 
         Raises:
             LaneBusyError: a lane keeps a live writer (of any handle) for ``timeout`` s.
         """
         self._check_open()
+        timeout = _timeout("timeout", timeout)
         if self._store_writer is not None:
             self._store_writer.close()
             self._store_writer = None
@@ -712,6 +741,8 @@ class ReplayBuffer:
                 # An empty window: lo = reserved - C = committed. A writer's next row is the
                 # first readable one again.
                 q[lay.lane_word(k, L.LANE_RESERVED) // 8] = committed + C
+                if self._episodes is not None:
+                    self._episodes.clear(k)
         finally:
             lease.close()
 

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from . import layout as L
-from .errors import ShmbufError
+from ._util import _timeout
+from .errors import SegmentFormatError, ShmbufError
 from .segment import (
     SHM_DIR,
     Segment,
@@ -26,6 +27,8 @@ from .segment import (
     fmt_bytes,
     is_locked,
     normalize_name,
+    open_regular,
+    read_header,
     scan,
     unlink,
 )
@@ -39,7 +42,10 @@ GC_MIN_AGE_S = 10.0  # an uninitialised segment younger than this may be being c
 # Reading segments without attaching
 # --------------------------------------------------------------------------------------------
 def _state(info: SegmentInfo) -> str:
-    """``alive``, ``leaked`` (what ``gc`` removes) or ``creating`` (uninitialised, young)."""
+    """``alive``, ``leaked`` (what ``gc`` removes), ``creating`` (uninitialised, young) or
+    ``unreadable`` (malformed or not ours: never removed)."""
+    if info.error is not None:
+        return "unreadable"
     if info.alive:
         return "alive"
     if info.header is None and info.age < GC_MIN_AGE_S:
@@ -48,7 +54,8 @@ def _state(info: SegmentInfo) -> str:
 
 
 def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
-    """(capacity, lanes, fill) of a replay buffer, reading its committed words with pread."""
+    """(capacity, lanes, fill) of a replay buffer, reading its committed words with pread;
+    None where the layout cannot be understood (it is only shown, never acted on)."""
     if info.header is None or info.header.kind != L.KIND_BUFFER:
         return None
     doc = info.header.doc
@@ -59,14 +66,15 @@ def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
             [(f.name, f.shape, f.dtype) for f in spec.values()], capacity, lanes,
             len(L.encode_layout(doc)),
         )
-    except (KeyError, TypeError, ValueError, ShmbufError):
+    except Exception:  # noqa: BLE001 - any malformed layout: show no geometry
         return None
-    try:
-        fd = os.open(os.path.join(SHM_DIR, info.name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    fd = open_regular(os.path.join(SHM_DIR, info.name))
+    if fd is None:
         return capacity, lanes, None
     try:
         raw = os.pread(fd, lanes * L.LANE_LINES * L.LINE, lay.lane_offset)
+    except OSError:
+        return capacity, lanes, None
     finally:
         os.close(fd)
     if len(raw) != lanes * L.LANE_LINES * L.LINE:
@@ -92,6 +100,7 @@ def _describe(info: SegmentInfo) -> dict[str, Any]:
         "fill": fill,
         "created": hdr.created if hdr is not None else None,
         "age_s": round(info.age, 3),
+        "error": info.error,
     }
 
 
@@ -131,17 +140,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
     leaked = sum(s["state"] == "leaked" for s in segments)
     if leaked:
         print(f"\n{leaked} leaked segment(s): `shmbuf gc` removes them")
+    unreadable = [s for s in segments if s["state"] == "unreadable"]
+    if unreadable:
+        print(f"\n{len(unreadable)} unreadable file(s), which `shmbuf gc` never removes:")
+        for s in unreadable:
+            print(f"  {s['name']}: {s['error']}")
     return 0
 
 
 def _still_leaked(name: str) -> bool:
-    """Re-check right before unlinking: the owner lease is still free."""
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    """Re-check right before unlinking: still a regular file that validates as a shmbuf
+    segment (or one still uninitialised), and its owner lease is still free."""
+    fd = open_regular(os.path.join(SHM_DIR, name))
+    if fd is None:
         return False
     try:
+        read_header(fd, name)
         return not is_locked(fd, L.LOCK_OWNER)
+    except (SegmentFormatError, OSError):
+        return False
     finally:
         os.close(fd)
 
@@ -151,10 +168,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     Leaked: the owner lease is free (its creator died without unlinking). A segment without a
     header yet is left alone for ``GC_MIN_AGE_S``: its creator may be initialising it right now.
+    Only files that validate as shmbuf segments are removed: an unreadable one (malformed, or
+    merely named ``shmbuf-*``) is kept and reported.
     """
     wanted = {normalize_name(n) for n in args.names}
     found: set[str] = set()
-    removed = freed = 0
+    removed = freed = unreadable = 0
     for info in scan():
         if wanted and info.name not in wanted:
             continue
@@ -162,7 +181,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         state = _state(info)
         if state != "leaked":
             if wanted:
-                print(f"kept {info.name}: {state}")
+                print(f"kept {info.name}: {state}" + (f" ({info.error})" if info.error else ""))
+            unreadable += state == "unreadable"
             continue
         owner = f"owner pid {info.header.owner_pid}" if info.header else "never initialised"
         what = f"{info.name} ({info.kind_name}, {owner}, {fmt_bytes(info.size)})"
@@ -181,6 +201,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"{removed} leaked segment(s), {verb} {fmt_bytes(freed)}")
     else:
         print("no leaked segments")
+    if unreadable and not wanted:
+        print(f"kept {unreadable} unreadable file(s): `shmbuf ls` says why")
     return 0
 
 
@@ -193,9 +215,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         hdr = seg.header
         info: dict[str, Any] = {
             "name": seg.name,
-            "kind": {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring"}.get(
-                hdr.kind, f"kind {hdr.kind}"
-            ),
+            "kind": L.kind_name(hdr.kind),
             "format_version": hdr.version,
             "owner_pid": hdr.owner_pid,
             "owner_alive": seg.owner_alive(),
@@ -283,6 +303,20 @@ def _register_plugins(subparsers: Any) -> dict[str, str]:
     return failed
 
 
+def _timeout_arg(text: str) -> float:
+    """``--timeout`` through the library's one timeout check (NaN, inf, negatives refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--timeout must be a number of seconds, got {text!r}"
+        ) from None
+    try:
+        return _timeout("--timeout", value)
+    except ValueError as e:  # name the text as typed, not the float it became
+        raise argparse.ArgumentTypeError(str(e).replace(repr(value), repr(text))) from None
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     """The argument parser with built-in and plugin subcommands, and the plugins that failed."""
     from . import __version__
@@ -305,7 +339,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     p = sub.add_parser("inspect", help="header, spec and per-lane stats of one segment")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=1.0,
+    p.add_argument("--timeout", type=_timeout_arg, default=1.0,
                    help="seconds to wait for a segment that is being created (default 1)")
     p.set_defaults(func=cmd_inspect)
 

@@ -5,8 +5,9 @@ index of its first step, its length in transitions, its flags (``EPISODE_TRUNCAT
 values of the buffer's episode spec (return, seed, ...).
 
 Concurrency: only lane k's writer stores lane k's records, stamp-first as rows are (2e+1 while
-written, 2e+2 once held); readers check the stamp before and after copying, so a record being
-rewritten or overwritten by a later episode is never returned.
+written, 2e+2 once held), and ``clear()``, which holds every lane's writer lease, zeroes their
+stamps; readers check the stamp before and after copying, so a record being rewritten,
+overwritten by a later episode or cleared is never returned.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import numpy as np
 from . import layout as L
 from .errors import SpecMismatchError, StaleIndexError
 from .spec import RowChecker, Spec
+
+
+MAX_EPISODE = (1 << 62) - 2  # the largest id whose stamp 2e+2 fits the int64 stamp word
 
 
 class EpisodeTable:
@@ -68,11 +72,17 @@ class EpisodeTable:
             col[r] = v
         self.stamp[r] = 2 * episode + 2
 
+    def clear(self, lane: int) -> None:
+        """Drop every record of ``lane`` (its rows were emptied). The caller holds the lane's
+        writer lease; ids go on from the lane's episode counter, so later records are found."""
+        E = self.capacity
+        self.stamp[lane * E : (lane + 1) * E] = 0
+
     # -- reading (anyone) -------------------------------------------------------------------------------
     def read(self, episodes: np.ndarray, lanes: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Records of ``episodes`` (ids) of ``lanes``; (arrays, which were held whole)."""
         r = lanes * self.capacity + episodes % self.capacity
-        expected = 2 * episodes + 2
+        expected = 2 * episodes + 2  # ids are in [0, MAX_EPISODE]: no wrap; never 0 (unwritten)
         before = self.stamp[r]
         out = {
             "episode": episodes.copy(),
@@ -87,6 +97,22 @@ class EpisodeTable:
         return out, (before == expected) & (after == expected)
 
     def get(self, episode: int, lane: int) -> dict[str, Any]:
+        """The record of ``episode`` of ``lane``.
+
+        Raises:
+            ValueError: a negative id (ids count from 0 per lane).
+            StaleIndexError: not finished yet, or no longer held.
+        """
+        if episode < 0:
+            raise ValueError(
+                f"episode id {episode} is negative: ids count from 0 in each lane (the values "
+                f"end_episode() returns). Fix: pass one of those, or see episodes()"
+            )
+        if episode > MAX_EPISODE:
+            raise StaleIndexError(
+                f"no record of episode {episode} of lane {lane}: not finished yet (ids stay "
+                f"below {MAX_EPISODE + 1})"
+            )
         ep = np.array([episode], np.int64)
         rec, ok = self.read(ep, np.array([lane], np.int64))
         if not ok[0]:

@@ -84,3 +84,11 @@ class WorkerError(ShmbufError, RuntimeError):
 
 class ActorError(ShmbufError, RuntimeError):
     """An actor function raised; the message carries the actor's traceback."""
+
+
+class DeviceUnavailableError(ShmbufError, RuntimeError):
+    """A device was asked for that this process cannot use (no CUDA, no torch, bad ordinal)."""
+
+
+class UnsupportedPlatformError(ShmbufError, RuntimeError):
+    """This machine lacks what the shared-memory protocol relies on (x86-64 store ordering)."""

@@ -5,11 +5,13 @@ Every segment (replay buffer or staging ring) starts with the same header page:
 - 8 bytes  magic ``b"SHMBUF\\0\\1"``, written last by the creator, so an attacher that sees it
   knows the rest of the header is complete.
 - u32 @ 8  format version (``FORMAT_VERSION``).
-- u32 @ 12 kind: 1 = replay buffer, 2 = staging ring.
+- u32 @ 12 kind: 1 = replay buffer, 2 = staging ring, 3 = priority table (``KIND_NAMES``).
 - u64 @ 16 total size of the segment in bytes.
 - u64 @ 24 owner pid.  u64 @ 32 owner start time (clock ticks since boot, /proc/PID/stat #22).
 - f64 @ 40 creation time (Unix seconds).  u32 @ 48 owner uid.  u32 @ 52 layout JSON length.
-- bytes @ 64 the layout JSON (spec, capacity, lanes, ...); the header is padded to 4096 bytes.
+- bytes @ 64 the layout JSON (spec, capacity, lanes, ...), a JSON object of at most
+  ``MAX_LAYOUT_JSON`` bytes nested at most ``MAX_LAYOUT_DEPTH`` deep; the header is padded to
+  a multiple of 4096 bytes. The whole segment is a multiple of 4096 bytes.
 
 A replay buffer's body, each region 64-byte aligned:
 
@@ -43,6 +45,9 @@ FORMAT_VERSION = 1
 KIND_BUFFER = 1
 KIND_STAGING = 2
 KIND_PRIORITY = 3
+KIND_NAMES = {KIND_BUFFER: "replay buffer", KIND_STAGING: "staging ring",
+              KIND_PRIORITY: "priority table"}
+KIND_TAGS = {KIND_BUFFER: "buf", KIND_STAGING: "staging", KIND_PRIORITY: "prio"}  # default names
 
 PAGE = 4096
 LINE = 64
@@ -60,6 +65,11 @@ H_CREATED = 40
 H_OWNER_UID = 48
 H_JSON_LEN = 52
 H_JSON = 64
+MAX_LAYOUT_JSON = 1 << 20  # bytes; a spec of thousands of fields stays far below
+MAX_LAYOUT_DEPTH = 32  # nesting of the layout JSON (a spec nests 4 deep)
+MAX_CREATED = 1e11  # creation times past this (year 5138) are corrupt
+MAX_ROWS = 1 << 40  # capacity, episode_capacity: bounds a header can claim
+MAX_STAGING_SLOTS = 1 << 16
 
 # Lane header: one hot word per 64-byte line. Only the lane's writer stores any of them.
 LANE_COMMITTED = 0  # transitions published: indices [0, committed) were written
@@ -98,6 +108,11 @@ FLAG_FINAL = 1 << 31  # _meta flag: the row is an episode's final observation, n
 STEP_MASK = FLAG_FINAL - 1
 EPISODE_TRUNCATED = 1  # _ep_flags bit: the episode was cut short (time limit), not terminated
 EPISODE_COLUMNS = ("_ep_stamp", "_ep_start", "_ep_length", "_ep_flags")
+
+
+def kind_name(kind: int) -> str:
+    """What a segment of ``kind`` is, for people (``ls``, ``inspect``, error messages)."""
+    return KIND_NAMES.get(kind, f"unknown kind {kind}")
 
 
 def lock_lane(lane: int) -> int:
@@ -214,6 +229,76 @@ def buffer_layout(
         episode_capacity=episode_capacity,
         episode_columns=tuple(episode_columns),
     )
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of a decoded JSON value, without recursion."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_LAYOUT_DEPTH:
+            break
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
+
+
+# Integer entries a layout document may carry: (lowest, highest) allowed.
+_DOC_INTS = {"capacity": (1, MAX_ROWS), "lanes": (1, MAX_LANES),
+             "episode_capacity": (0, MAX_ROWS), "n_slots": (1, MAX_STAGING_SLOTS)}
+_DOC_REQUIRED = {KIND_BUFFER: ("capacity", "lanes"), KIND_PRIORITY: ("capacity", "lanes")}
+
+
+def check_layout_doc(kind: int, doc: Any, total_size: int) -> None:
+    """Raise ValueError unless ``doc`` is a plausible layout document of a ``kind`` segment of
+    ``total_size`` bytes: a JSON object, not too deep, whose geometry is ints in range that fit
+    the segment. Pure, so readers of an untrusted header call it before any layout math."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"the layout is a JSON {type(doc).__name__}, not an object")
+    if _depth(doc) > MAX_LAYOUT_DEPTH:
+        raise ValueError(f"the layout JSON nests deeper than {MAX_LAYOUT_DEPTH} levels")
+    for key in _DOC_REQUIRED.get(kind, ()):
+        if key not in doc:
+            raise ValueError(f"the layout has no {key!r}")
+    for key, (lo, hi) in _DOC_INTS.items():
+        if key not in doc:
+            continue
+        value = doc[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"the layout's {key} is {value!r}, not an int in [{lo}, {hi}]")
+    # Every slot has at least one 8-byte word (a stamp, a generation) in the body.
+    if kind in (KIND_BUFFER, KIND_PRIORITY) and doc["capacity"] * doc["lanes"] * WORD > total_size:
+        raise ValueError(
+            f"capacity {doc['capacity']} x lanes {doc['lanes']} does not fit in {total_size} bytes"
+        )
+    if kind == KIND_BUFFER and "spec" not in doc:
+        raise ValueError("the layout has no 'spec'")
+    for key in _DOC_FIELD_LISTS:
+        if key in doc:
+            _check_fields(key, doc[key])
+
+
+_DOC_FIELD_LISTS = ("spec", "episode_spec", "arrays")  # lists of {"name", "shape", "dtype"}
+
+
+def _check_fields(key: str, fields: Any) -> None:
+    """Each entry of a field list is ``{"name": str, "shape": [int >= 0, ...], "dtype": str}``
+    with every dimension at most ``MAX_ROWS``; dtypes themselves are checked by their reader."""
+    if not isinstance(fields, list):
+        raise ValueError(f"the layout's {key} is a {type(fields).__name__}, not a list")
+    for f in fields:
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                and isinstance(f.get("dtype"), str) and isinstance(f.get("shape"), list)):
+            raise ValueError(f"the layout's {key} has a malformed field {str(f)[:100]}")
+        for d in f["shape"]:
+            if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_ROWS:
+                raise ValueError(
+                    f"field {f['name'][:100]!r} of the layout's {key} has dimension "
+                    f"{str(d)[:100]}, not an int in [0, {MAX_ROWS}]"
+                )
 
 
 def encode_layout(doc: dict[str, Any]) -> bytes:

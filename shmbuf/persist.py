@@ -10,18 +10,22 @@ A saved directory holds, for a buffer of L lanes whose lanes keep n_0 .. n_{L-1}
 - ``_meta.npy``, int64 ``[rows]``: each row's ``episode << 32 | flags | step_in_episode``;
 - ``_episodes.npy``, int64 ``[records, 5]``: the episode records held (lane, episode, start,
   length, flags), by lane then episode, and one ``_ep_NNN_<field>.npy`` per episode-spec field;
-- ``manifest.json``, written last (temp file + rename), so a directory without one is an
-  incomplete save: format and version, spec, capacity, lanes, the buffer's options (``next_obs``,
-  ``episode_spec``, ``episode_capacity``; absent in older checkpoints, which load with the
-  defaults), per lane the first logical index kept, the row count, the row offset in the files
-  and the lane's episode words, and the episode files.
+- ``manifest.json``, written last, so a directory without one is an incomplete save (``save``
+  writes into a hidden directory and renames it into place only when complete, so only older
+  versions leave such directories at the target): format and version, spec, capacity, lanes,
+  the buffer's options (``next_obs``, ``episode_spec``, ``episode_capacity``; absent in older
+  checkpoints, which load with the defaults), per lane the first logical index kept, the row
+  count, the row offset in the files and the lane's episode words, and the episode files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import re
+import reprlib
 import secrets
 import shutil
 import time
@@ -32,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from . import _files
 from . import layout as L
 from ._progress import Progress
 from .buffer import ReplayBuffer, _positive_int, _ring_segments
-from .errors import CheckpointError, SpecMismatchError
+from .errors import CapacityError, CheckpointError, SpecMismatchError
+from .segment import fmt_bytes
 from .spec import Spec
 
 FORMAT = "shmbuf-checkpoint"
@@ -46,6 +52,11 @@ META_FILE = "_meta.npy"
 EPISODES_FILE = "_episodes.npy"
 RECORD_COLUMNS = ("lane", "episode", "start", "length", "flags")  # of EPISODES_FILE
 CHUNK_BYTES = 64 << 20  # rows are copied out of shared memory this many bytes at a time
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; a larger file is not one of ours
+MAX_INDEX = 1 << 61  # largest logical index or capacity a checkpoint may name (stamps 2i+2: int64)
+MAX_EPISODE = (1 << 31) - 1  # episode ids sit above STEP_BITS in the int64 _meta word (the
+# record table alone would allow more: episodes.MAX_EPISODE; a lane's rows would not)
+MAX_SEGMENT_BYTES = 1 << 62  # a buffer larger than this cannot exist; a manifest saying so is bad
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
@@ -79,12 +90,13 @@ def _row_nbytes(spec: Spec) -> int:
 def _copy_lanes(
     buf: ReplayBuffer,
     sizes: np.ndarray,
-    out: Mapping[str, np.ndarray],
-    meta_out: np.ndarray,
+    out: Mapping[str, Any],
+    meta_out: Any,
     bar: Progress,
 ) -> list[LaneRows]:
     """Copy each lane's newest held rows, at most ``sizes[k]`` of them, into ``out`` (lane k at
     rows ``sizes[:k].sum()`` on, oldest first) and return the rows of each lane that were intact.
+    ``out`` and ``meta_out`` are arrays or ``_files.NpyWriter`` s: only ``dst[a:b] = rows`` is used.
 
     Each lane's window is read just before its copy, after its episode words (a writer moves
     ``episode_start`` only up to its ``committed``, so the window ends at or after it). The rows
@@ -217,9 +229,23 @@ def _check_records(records: Records, n_lanes: int, spec: Spec | None, where: str
                 f"{where}: episode field {name!r} should be shape {(n, *f.shape)} {f.dtype}, "
                 f"found {arr.shape} {arr.dtype}"
             )
-    if n and (table[:, 0].min() < 0 or table[:, 0].max() >= n_lanes or table[:, 1].min() < 0):
+    if not n:
+        return
+    bounds = {"lane": (0, n_lanes - 1), "episode": (0, MAX_EPISODE), "start": (0, MAX_INDEX),
+              "length": (0, MAX_INDEX), "flags": (0, L.EPISODE_TRUNCATED)}
+    for col, (lo, hi) in bounds.items():
+        values = table[:, RECORD_COLUMNS.index(col)]
+        bad = np.flatnonzero((values < lo) | (values > hi))
+        if bad.size:
+            raise CheckpointError(
+                f"{where}: episode record {int(bad[0])} has {col} {int(values[bad[0]])}; every "
+                f"record's {col} should be in [{lo}, {hi}]. The checkpoint is corrupt or was "
+                f"edited. Fix: save the buffer again"
+            )
+    if np.unique(table[:, 0] * (MAX_EPISODE + 1) + table[:, 1]).size != n:
         raise CheckpointError(
-            f"{where}: episode records name lanes outside [0, {n_lanes}) or negative episode ids"
+            f"{where}: the episode records hold the same (lane, episode) more than once. The "
+            f"checkpoint is corrupt or was edited. Fix: save the buffer again"
         )
 
 
@@ -248,7 +274,7 @@ def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# save / load
+# save
 # --------------------------------------------------------------------------------------------
 def save(
     buf: ReplayBuffer,
@@ -259,26 +285,70 @@ def save(
     """Write ``buf`` to the directory ``path`` (see the module docstring for the layout).
 
     Safe while writers run: each lane keeps the rows still intact at the end of the copy.
-    With ``overwrite=True`` an existing checkpoint is replaced only once the new one is complete.
+
+    Nothing half-made is ever at ``path``. The checkpoint is written into a hidden directory
+    beside it (``.<name>.saving-<pid>-<random>``: same parent, so the same filesystem), every
+    file and the directory are fsynced, and only then is it moved into place in one step: onto a
+    new ``path`` by a rename that replaces nothing; over an old checkpoint (``overwrite=True``)
+    by exchanging the two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``), so
+    ``path`` holds a complete checkpoint at every instant, even if the process is killed, and the
+    old one, now under the hidden name, is deleted after. Where the filesystem cannot exchange,
+    the old checkpoint is renamed aside (``.<name>.old-<pid>-<random>``), the new one renamed
+    in, then the old one deleted; a failure between the two renames moves the old one back.
+    On any exception (a full disk, Ctrl-C in the progress display) the hidden directory is
+    removed and ``path`` is as it was. A save killed outright leaves only the hidden directory;
+    the next save to ``path`` removes it (the saver holds a lock on it, which dies with it).
+
+    Space is checked before anything is written (``statvfs``; an old checkpoint stays until the
+    new one is complete, so replacing one needs room for both) and reserved per file with
+    ``posix_fallocate``; rows go in with plain writes, never through a memory map, so a full
+    disk is a CapacityError, never a SIGBUS.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False, or it is not a checkpoint.
+        CapacityError: the filesystem of ``path`` has too little room; ``path`` is unchanged.
     """
     buf._check_open()
-    final = Path(path)
-    if final.exists() or final.is_symlink():
+    final = Path(os.path.abspath(path))
+    if not final.name:
+        raise ValueError(f"cannot save to {os.fspath(path)!r}: name a directory to create")
+    replacing = final.exists() or final.is_symlink()
+    if replacing:
         _check_replaceable(final, overwrite)
-        target = final.with_name(f".{final.name}.saving-{os.getpid()}-{secrets.token_hex(4)}")
-    else:
-        target = final
-    target.mkdir(parents=True)
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_saves(final)
+    sizes = buf.windows().sizes  # rows to allocate; lanes are re-read as they are copied
+    needed = _bytes_needed(buf, int(sizes.sum()))
+    free, inodes = _files.free_space(parent)
+    n_files = len(buf.spec) + len(buf.episode_spec or ()) + 4  # + _meta, _episodes, manifest, dir
+    if needed > free or inodes < n_files:
+        raise _no_room(final, needed, free, replacing, inodes < n_files)
+    tmp = final.with_name(f".{final.name}.saving-{os.getpid()}-{secrets.token_hex(4)}")
+    lock, made = None, False
     try:
-        _write_checkpoint(buf, target, progress)
-        if target != final:
-            _swap_in(target, final)
-    except BaseException:
-        shutil.rmtree(target, ignore_errors=True)
+        tmp.mkdir()
+        made = True
+        lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "a save is writing here"
+        _write_checkpoint(buf, tmp, sizes, progress)
+        _files.fsync_dir(tmp)
+        _move_into_place(tmp, final, overwrite)
+        _files.fsync_dir(parent)
+    except OSError as e:
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in _files.NO_ROOM and not isinstance(e, CapacityError):
+            free, inodes = _files.free_space(parent)
+            raise _no_room(final, needed, free, replacing, inodes < n_files) from None
         raise
+    except BaseException:
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _check_replaceable(path: Path, overwrite: bool) -> None:
@@ -303,48 +373,118 @@ def _check_replaceable(path: Path, overwrite: bool) -> None:
         )
 
 
-def _swap_in(new: Path, final: Path) -> None:
-    """Replace the checkpoint at ``final`` with the complete one at ``new``."""
+def _move_into_place(tmp: Path, final: Path, overwrite: bool) -> None:
+    """Make the complete checkpoint at ``tmp`` the one at ``final`` (see ``save``)."""
+    if not (final.exists() or final.is_symlink()):
+        try:
+            if not _files.renameat2(tmp, final, _files.RENAME_NOREPLACE):
+                os.rename(tmp, final)  # no renameat2: replaces at most an empty directory
+        except FileExistsError:
+            raise FileExistsError(
+                f"{final} appeared while the buffer was being saved; it was left alone. Fix: "
+                f"save again (with overwrite=True to replace it)"
+            ) from None
+        return
+    _check_replaceable(final, overwrite)  # again: it may have changed while we wrote
+    if _files.renameat2(tmp, final, _files.RENAME_EXCHANGE):
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoint, now at the temp name
+        return
     old = final.with_name(f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
     os.rename(final, old)
     try:
-        os.rename(new, final)
+        os.rename(tmp, final)
     except BaseException:
         os.rename(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_checkpoint(buf: ReplayBuffer, directory: Path, progress: bool | None) -> None:
+def _remove_dead_saves(final: Path) -> None:
+    """Remove the hidden directories of saves to ``final`` that were killed midway: the ones
+    whose lock nobody holds (a live save keeps its directory locked)."""
+    prefix = f".{final.name}.saving-"
+    try:
+        entries = [e for e in os.scandir(final.parent) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live save
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _npy_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return len(_files.npy_header(dtype, shape)) + math.prod(shape) * dtype.itemsize
+
+
+def _bytes_needed(buf: ReplayBuffer, rows: int) -> int:
+    """Disk space a checkpoint of ``rows`` rows takes at most (a block of slack per file)."""
+    block = 4096
+    spec, i8 = buf.spec, np.dtype("<i8")
+    files = [(f.dtype, (rows, *f.shape)) for f in spec.values()] + [(i8, (rows,))]
+    records = buf.lanes * buf._layout.episode_capacity if buf._episodes is not None else 0
+    files.append((i8, (records, len(RECORD_COLUMNS))))
+    for f in (buf.episode_spec or {}).values():
+        files.append((f.dtype, (records, *f.shape)))
+    manifest = (16 << 10) + 256 * (buf.lanes + len(files))
+    return sum(_npy_nbytes(np.dtype(d), s) + block for d, s in files) + manifest
+
+
+def _no_room(final: Path, needed: int, free: int, replacing: bool,
+             no_inodes: bool = False) -> CapacityError:
+    both = (" The checkpoint already there stays until the new one is complete, so replacing it "
+            "needs room for both." if replacing else "")
+    inodes = " and it has no free inodes left" if no_inodes else ""
+    return CapacityError(
+        f"saving to {final} needs {fmt_bytes(needed)} ({needed} bytes) but only {fmt_bytes(free)} "
+        f"free ({free} bytes) are left on its filesystem{inodes}; nothing was saved.{both} Fix: "
+        f"free space there, or save elsewhere"
+    )
+
+
+def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
+                      progress: bool | None) -> None:
+    """Write every file of a checkpoint into the (new, empty) ``directory``, the manifest last."""
     spec = buf.spec
-    sizes = buf.windows().sizes  # rows to allocate; lanes are re-read as they are copied
     rows = int(sizes.sum())
     files = {name: file_name(i, name) for i, name in enumerate(spec)}
-    arrays = {
-        name: np.lib.format.open_memmap(
-            directory / files[name], mode="w+", dtype=f.dtype, shape=(rows, *f.shape)
-        )
-        for name, f in spec.items()
-    }
-    meta = np.lib.format.open_memmap(directory / META_FILE, mode="w+", dtype="<i8", shape=(rows,))
-    with Progress(rows * _row_nbytes(spec), f"saving {buf.name}", progress) as bar:
-        lanes = _copy_lanes(buf, sizes, arrays, meta, bar)
-    if sum(r.count for r in lanes) != rows:  # writers overwrote rows under the copy: compact
-        packed = _packed(lanes)
-        total = sum(r.count for r in packed)
+    opened: list[_files.NpyWriter] = []
+    try:
+        arrays = {}
         for name, f in spec.items():
-            arrays[name] = _rewrite(directory / files[name], arrays[name], lanes, packed,
-                                    (total, *f.shape))
-        meta = _rewrite(directory / META_FILE, meta, lanes, packed, (total,))
-        lanes, rows = packed, total
-    for arr in (*arrays.values(), meta):
-        arr.flush()
-    del arrays, meta
-    records = _copy_episodes(buf)
-    np.save(directory / EPISODES_FILE, records.table)
-    ep_files = {name: "_ep_" + file_name(i, name) for i, name in enumerate(records.fields)}
-    for name, values in records.fields.items():
-        np.save(directory / ep_files[name], values)
+            arrays[name] = _files.NpyWriter(directory / files[name], f.dtype, (rows, *f.shape))
+            opened.append(arrays[name])
+        meta = _files.NpyWriter(directory / META_FILE, np.dtype("<i8"), (rows,))
+        opened.append(meta)
+        with Progress(rows * _row_nbytes(spec), f"saving {buf.name}", progress) as bar:
+            lanes = _copy_lanes(buf, sizes, arrays, meta, bar)
+        if sum(r.count for r in lanes) != rows:  # writers overwrote rows under the copy: compact
+            packed = _packed(lanes)
+            rows = sum(r.count for r in packed)
+            moves = [(o.offset, n.offset, o.count) for o, n in zip(lanes, packed)]
+            for w in opened:
+                w.compact(moves, rows, CHUNK_BYTES)
+            lanes = packed
+        for w in opened:
+            w.finish()
+        records = _copy_episodes(buf)
+        _write_npy(directory / EPISODES_FILE, records.table)
+        ep_files = {name: "_ep_" + file_name(i, name) for i, name in enumerate(records.fields)}
+        for name, values in records.fields.items():
+            _write_npy(directory / ep_files[name], values)
+    finally:
+        for w in opened:
+            w.close()
     n_records = int(records.table.shape[0])
     manifest = {
         "format": FORMAT,
@@ -373,34 +513,21 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, progress: bool | None)
             ],
         },
     }
-    _write_json_atomic(directory / MANIFEST, manifest)
+    _files.write_file(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
-def _rewrite(path: Path, src: np.ndarray, old: list[LaneRows], new: list[LaneRows],
-             shape: tuple[int, ...]) -> np.memmap:
-    tmp = path.with_name(path.name + ".tmp")
-    dst = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=shape)
-    _copy_rows(src, dst, old, new)
-    dst.flush()
-    os.replace(tmp, path)
-    return dst
-
-
-def _write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+def _write_npy(path: Path, values: np.ndarray) -> None:
+    w = _files.NpyWriter(path, values.dtype, values.shape)
     try:
-        os.fsync(fd)
+        w[0 : values.shape[0]] = values
+        w.finish()
     finally:
-        os.close(fd)
+        w.close()
 
 
+# --------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------
 def load(
     cls: type[ReplayBuffer],
     path: str | os.PathLike[str],
@@ -410,21 +537,31 @@ def load(
 ) -> ReplayBuffer:
     """Create a buffer from a directory written by ``save``; see ``ReplayBuffer.load``.
 
-    The whole directory is checked before any shared memory is created; a failure after that
-    closes (and unlinks) the new buffer before raising.
+    The whole directory is checked before any shared memory is created: the manifest (read only
+    if it is a regular file of at most ``MAX_MANIFEST_BYTES``; every entry's type and range),
+    each ``.npy`` file (a regular file, opened without blocking; its header's shape and dtype;
+    its length) and the episode records' values, so a bad checkpoint is a CheckpointError naming
+    the file and the entry. A failure after the buffer exists closes (and unlinks) it.
     """
     directory = Path(path)
-    manifest = _read_manifest(directory)
-    spec, lanes = _check_manifest(manifest, directory)
-    options, records = _check_episode_section(manifest, directory, len(lanes))
+    doc = _read_manifest(directory)
+    where = str(directory / MANIFEST)
+    spec, saved_capacity, lanes = _check_manifest(doc, directory)
+    options, records = _check_episode_section(doc, directory, len(lanes))
+    rows = sum(r.count for r in lanes)
     arrays = {
-        entry["name"]: _open_npy(directory, entry, f"field {entry['name']!r}")
-        for entry in manifest["fields"]
+        name: _files.open_npy(directory / entry["file"], (rows, *f.shape), f.dtype,
+                              f"field {name!r}")
+        for entry, (name, f) in zip(doc["fields"], spec.items())  # checked: same names, order
     }
-    meta = _open_npy(directory, manifest["meta"], "the _meta column")
+    meta = _files.open_npy(directory / doc["meta"]["file"], (rows,), np.dtype("<i8"),
+                           "the _meta column")
     if capacity is None:
-        capacity = int(manifest["capacity"])
-    capacity = _positive_int("capacity", capacity)
+        capacity = saved_capacity
+        _check_size(spec, capacity, len(lanes), options, f"{where}: 'capacity' or 'spec'")
+    else:
+        capacity = _positive_int("capacity", capacity)
+        _check_size(spec, capacity, len(lanes), options, "capacity=")
     buf = cls.create(spec, capacity, len(lanes), name, **options)
     try:
         _restore(buf, lanes, arrays, meta, progress, f"loading {directory.name}", records)
@@ -444,7 +581,8 @@ def _restore(
     records: Records | None = None,
 ) -> None:
     """Rewrite every lane of ``buf`` from ``lanes``, and its episode records from ``records``;
-    a lane keeps its newest ``capacity`` rows."""
+    a lane keeps its newest ``capacity`` rows. The caller has validated everything: the only
+    error expected here is LaneBusyError, raised before anything changes."""
     C = buf.capacity
     kept = [min(r.count, C) for r in lanes]
     total = sum(kept) * buf.spec.row_nbytes
@@ -468,8 +606,73 @@ def _restore(
 
 
 # --------------------------------------------------------------------------------------------
-# Checking a saved directory
+# Checking a saved directory or a state dict: every entry's type and range, before any write
 # --------------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    """A short repr of an untrusted value (bounded in length and depth)."""
+    try:
+        return reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - a user object whose __repr__ fails
+        return f"<{type(value).__name__}>"
+
+
+def _bad(where: str, text: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {text}. The checkpoint is corrupt or was edited. Fix: save "
+                           f"the buffer again")
+
+
+def _entry(doc: Mapping[str, Any], key: str, where: str) -> Any:
+    try:
+        return doc[key]
+    except KeyError:
+        raise _bad(where, f"the required entry {key!r} is missing") from None
+
+
+def _check_int(value: Any, what: str, lo: int, hi: int, where: str) -> int:
+    """``value`` as an int in ``[lo, hi]``: a bool, float or numeric string is refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise _bad(where, f"{what} should be an int, found {_show(value)} "
+                          f"({type(value).__name__})")
+    v = int(value)
+    if not lo <= v <= hi:
+        expected = str(lo) if lo == hi else f"an int in [{lo}, {hi}]"
+        raise _bad(where, f"{what} is {v}; expected {expected}")
+    return v
+
+
+def _spec_from_json(value: Any, key: str, where: str) -> Spec:
+    if not isinstance(value, list):
+        raise _bad(where, f"{key!r} should be a list of fields (name, shape, dtype), found "
+                          f"{_show(value)}")
+    try:
+        return Spec.from_json(value)
+    except Exception as e:  # noqa: BLE001 - whatever a malformed field list makes Spec raise
+        raise _bad(where, f"{key!r} is malformed ({type(e).__name__}: {_show(str(e))})") from None
+
+
+def _as_array(value: Any, what: str, where: str) -> np.ndarray:
+    try:
+        return np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - ragged nested lists and the like
+        raise _bad(where, f"{what} is not an array ({type(e).__name__}: {_show(str(e))})") from None
+
+
+def _check_size(spec: Spec, capacity: int, lanes: int, options: Mapping[str, Any],
+                what: str) -> None:
+    """Refuse a capacity whose buffer no machine could hold (its index math would overflow)."""
+    ep_spec, ep_cap = options["episode_spec"], options["episode_capacity"]
+    ep_cap = ep_cap if ep_cap is not None else max(64, capacity // 8)
+    size = (capacity * lanes * (spec.row_nbytes + 2 * L.WORD)
+            + ep_cap * lanes * (4 * L.WORD + (ep_spec.row_nbytes if ep_spec else 0)))
+    if capacity <= MAX_INDEX and size <= MAX_SEGMENT_BYTES:
+        return
+    text = (f"capacity {capacity} x {lanes} lanes of {spec.row_nbytes}-byte rows would need "
+            f"{size} bytes of shared memory (at most {MAX_SEGMENT_BYTES} is possible)")
+    if what == "capacity=":
+        raise ValueError(f"load(capacity={capacity}): {text}. Fix: pass a smaller capacity")
+    raise _bad(what, text)
+
+
 def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not directory.is_dir():
@@ -478,7 +681,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
             f"buf.save(). Fix: pass the directory that holds {MANIFEST}"
         )
     try:
-        text = path.read_text()
+        data = _files.read_bounded(path, "the manifest", MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         npys = sorted(p.name for p in directory.glob("*.npy"))
         found = f"{len(npys)} .npy file(s) and no manifest" if npys else "no manifest"
@@ -487,76 +690,63 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
             f"incomplete save (it was interrupted) or not a shmbuf checkpoint. Fix: save the "
             f"buffer again"
         ) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e}). Fix: save the buffer again") from None
     try:
-        doc = json.loads(text)
-    except ValueError as e:
+        doc = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(
-            f"{path}: expected JSON, found a corrupt file ({e}). Fix: save the buffer again"
+            f"{path}: expected JSON, found a corrupt file ({type(e).__name__}: "
+            f"{_show(str(e))}). Fix: save the buffer again"
         ) from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        fmt = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if not isinstance(fmt, str) or fmt != FORMAT:
+        found = _show(fmt) if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
         raise CheckpointError(
-            f"{path}: expected format {FORMAT!r}, found {fmt!r}: not a shmbuf checkpoint"
+            f"{path}: expected format {FORMAT!r}, found {found}: not a shmbuf checkpoint"
         )
-    if doc.get("version") != VERSION:
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
         raise CheckpointError(
-            f"{path}: expected format version {VERSION}, found {doc.get('version')!r}. Fix: load "
-            f"it with the shmbuf version that saved it"
+            f"{path}: expected format version {VERSION}, found {_show(version)}. Fix: load it "
+            f"with the shmbuf version that saved it"
         )
     return doc
 
 
-def _check_manifest(doc: dict[str, Any], directory: Path) -> tuple[Spec, list[LaneRows]]:
-    """Validate the manifest's own consistency (not the .npy files); return (spec, lanes)."""
-    where = directory / MANIFEST
-    try:
-        spec = Spec.from_json(doc["spec"])
-        capacity = int(doc["capacity"])
-        n_lanes = int(doc["lanes"])
-        rows = int(doc["rows"])
-        fields = list(doc["fields"])
-        meta = dict(doc["meta"])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: a required entry is missing or malformed ({type(e).__name__}: {e}). "
-            f"Fix: save the buffer again"
-        ) from None
-    if capacity < 1 or not 1 <= n_lanes <= L.MAX_LANES or rows < 0:
-        raise CheckpointError(
-            f"{where}: expected capacity >= 1, 1 <= lanes <= {L.MAX_LANES} and rows >= 0; found "
-            f"capacity {capacity}, lanes {n_lanes}, rows {rows}"
-        )
-    lanes = _check_lanes(doc.get("per_lane"), n_lanes, capacity, rows, str(where))
-    names = [f.get("name") if isinstance(f, dict) else None for f in fields]
-    if names != list(spec):
-        raise CheckpointError(
-            f"{where}: expected one file entry per spec field {list(spec)}, found {names}"
-        )
+def _check_manifest(doc: dict[str, Any], directory: Path) -> tuple[Spec, int, list[LaneRows]]:
+    """Validate the manifest's own consistency (not the .npy files); return (spec, capacity,
+    lanes)."""
+    where = str(directory / MANIFEST)
+    spec = _spec_from_json(_entry(doc, "spec", where), "spec", where)
+    capacity = _check_int(_entry(doc, "capacity", where), "'capacity'", 1, MAX_INDEX, where)
+    n_lanes = _check_int(_entry(doc, "lanes", where), "'lanes'", 1, L.MAX_LANES, where)
+    rows = _check_int(_entry(doc, "rows", where), "'rows'", 0, capacity * n_lanes, where)
+    lanes = _check_lanes(_entry(doc, "per_lane", where), n_lanes, capacity, rows, where)
+    fields = _entry(doc, "fields", where)
+    if (not isinstance(fields, list) or not all(isinstance(f, dict) for f in fields)
+            or [f.get("name") for f in fields] != list(spec)):
+        raise _bad(where, f"'fields' should list one entry per spec field {list(spec)}, in that "
+                          f"order; found {_show(fields)}")
     for entry, (name, field) in zip(fields, spec.items()):
-        _check_entry(entry, [rows, *field.shape], field.dtype, f"field {name!r}", where)
-    _check_entry(meta, [rows], np.dtype("<i8"), "the _meta column", where)
-    return spec, lanes
+        _check_entry(entry, [rows, *field.shape], field.dtype, f"'fields' entry {name!r}", where)
+    _check_entry(_entry(doc, "meta", where), [rows], np.dtype("<i8"),
+                 "'meta' (the _meta column)", where)
+    return spec, capacity, lanes
 
 
 def _parse_options(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``create`` options from a manifest or state; absent keys (older versions) are defaults."""
-    try:
-        next_obs = doc.get("next_obs", "stored")
-        ep_json = doc.get("episode_spec") or []
-        episode_spec = Spec.from_json(ep_json) if ep_json else None
-        episode_capacity = doc.get("episode_capacity")
-        episode_capacity = None if episode_capacity is None else int(episode_capacity)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: the buffer options are malformed ({type(e).__name__}: {e})"
-        ) from None
-    if next_obs not in ("stored", "derived"):
-        raise CheckpointError(
-            f"{where}: next_obs should be 'stored' or 'derived', found {next_obs!r}")
-    if episode_capacity is not None and episode_capacity < 1:
-        raise CheckpointError(f"{where}: episode_capacity should be >= 1, found {episode_capacity}")
+    next_obs = doc.get("next_obs", "stored")
+    if not isinstance(next_obs, str) or next_obs not in ("stored", "derived"):
+        raise _bad(where, f"'next_obs' should be 'stored' or 'derived', found {_show(next_obs)}")
+    ep_json = doc.get("episode_spec")
+    episode_spec = None
+    if not (ep_json is None or (isinstance(ep_json, list) and not ep_json)):  # None, []: none
+        episode_spec = _spec_from_json(ep_json, "episode_spec", where)
+    episode_capacity = doc.get("episode_capacity")
+    if episode_capacity is not None:
+        episode_capacity = _check_int(episode_capacity, "'episode_capacity'", 1, MAX_INDEX, where)
     return {"next_obs": next_obs, "episode_spec": episode_spec,
             "episode_capacity": episode_capacity}
 
@@ -564,108 +754,96 @@ def _parse_options(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
 def _check_episode_section(doc: dict[str, Any], directory: Path, n_lanes: int
                            ) -> tuple[dict[str, Any], Records | None]:
     """The buffer options and the episode records of a manifest (None if it has none)."""
-    where = directory / MANIFEST
-    options = _parse_options(doc, str(where))
+    where = str(directory / MANIFEST)
+    options = _parse_options(doc, where)
     section = doc.get("episodes")
     if section is None:
         return options, None
     spec = options["episode_spec"]
-    try:
-        rec_entry = dict(section["records"])
-        n = int(rec_entry["shape"][0])
-        fields = [dict(f) for f in section["fields"]]
-    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"{where}: the episodes entry is malformed ({type(e).__name__}: {e}). Fix: save the "
-            f"buffer again"
-        ) from None
-    names = [f.get("name") for f in fields]
-    if names != (list(spec) if spec is not None else []):
-        raise CheckpointError(
-            f"{where}: expected one file entry per episode field "
-            f"{list(spec) if spec is not None else []}, found {names}"
-        )
-    _check_entry(rec_entry, [n, len(RECORD_COLUMNS)], np.dtype("<i8"), "the episode records",
-                 where)
+    names = list(spec) if spec is not None else []
+    if not isinstance(section, dict):
+        raise _bad(where, f"'episodes' should be a dict with 'records' and 'fields', found "
+                          f"{_show(section)}")
+    rec_entry = section.get("records")
+    shape = rec_entry.get("shape") if isinstance(rec_entry, dict) else None
+    n = shape[0] if isinstance(shape, list) and shape else None
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_INDEX:
+        raise _bad(where, f"'episodes' 'records' should be an entry of shape [records, "
+                          f"{len(RECORD_COLUMNS)}], found {_show(rec_entry)}")
+    _check_entry(rec_entry, [n, len(RECORD_COLUMNS)], np.dtype("<i8"),
+                 "'episodes' 'records' (the episode records)", where)
+    fields = section.get("fields")
+    if (not isinstance(fields, list) or not all(isinstance(f, dict) for f in fields)
+            or [f.get("name") for f in fields] != names):
+        raise _bad(where, f"'episodes' 'fields' should list one entry per episode field "
+                          f"{names}, in that order; found {_show(fields)}")
     for entry in fields:
         field = spec[entry["name"]]
         _check_entry(entry, [n, *field.shape], field.dtype, f"episode field {entry['name']!r}",
                      where)
     records = Records(
-        np.asarray(_open_npy(directory, rec_entry, "the episode records")),
-        {e["name"]: np.asarray(_open_npy(directory, e, f"episode field {e['name']!r}"))
+        np.asarray(_files.open_npy(directory / rec_entry["file"], (n, len(RECORD_COLUMNS)),
+                                   np.dtype("<i8"), "the episode records")),
+        {e["name"]: np.asarray(_files.open_npy(directory / e["file"],
+                                               (n, *spec[e["name"]].shape),
+                                               spec[e["name"]].dtype,
+                                               f"episode field {e['name']!r}"))
          for e in fields},
     )
-    _check_records(records, n_lanes, spec, str(where))
+    _check_records(records, n_lanes, spec, where)
     return options, records
 
 
-def _check_entry(entry: dict[str, Any], shape: list[int], dtype: np.dtype, what: str,
-                 where: Path) -> None:
+def _check_entry(entry: Any, shape: list[int], dtype: np.dtype, what: str, where: str) -> None:
+    """A manifest's file entry: a plain ``.npy`` name in the directory, ``shape``, ``dtype``."""
+    if not isinstance(entry, dict):
+        raise _bad(where, f"{what} should be a dict with 'file', 'shape' and 'dtype', found "
+                          f"{_show(entry)}")
     file = entry.get("file")
-    if not isinstance(file, str) or Path(file).name != file or not file.endswith(".npy"):
-        raise CheckpointError(f"{where}: {what} names file {file!r}; expected a plain .npy name")
-    if list(entry.get("shape", ())) != shape or entry.get("dtype") != dtype.str:
-        raise CheckpointError(
-            f"{where}: {what} should be shape {tuple(shape)} {dtype} by the spec and row count; "
-            f"the entry says shape {entry.get('shape')} {entry.get('dtype')}. The manifest is "
-            f"inconsistent: save the buffer again"
-        )
+    if (not isinstance(file, str) or "\0" in file or Path(file).name != file
+            or not file.endswith(".npy")):
+        raise _bad(where, f"{what} names file {_show(file)}; expected a plain .npy file name in "
+                          f"the checkpoint directory")
+    found = entry.get("shape")
+    ints = isinstance(found, list) and all(type(d) is int for d in found)
+    if not ints or found != shape or entry.get("dtype") != dtype.str:
+        raise _bad(where, f"{what} should be shape {tuple(shape)} {dtype} by the spec and row "
+                          f"count; the entry says shape {_show(found)} {_show(entry.get('dtype'))}")
 
 
-def _check_lanes(per_lane: Any, n_lanes: int, capacity: int | None, rows: int,
+def _check_lanes(per_lane: Any, n_lanes: int, capacity: int, rows: int,
                  where: str) -> list[LaneRows]:
+    """The per-lane entries, each field an int in range, offsets packed, counts adding up."""
     if not isinstance(per_lane, (list, tuple)) or len(per_lane) != n_lanes:
-        got = len(per_lane) if isinstance(per_lane, (list, tuple)) else type(per_lane).__name__
-        raise CheckpointError(f"{where}: expected {n_lanes} per-lane entries, found {got}")
+        raise _bad(where, f"'per_lane' should list {n_lanes} lane entries, one per lane; found "
+                          f"{_show(per_lane)}")
+    keys = list(LaneRows.__dataclass_fields__)
     lanes, pos = [], 0
     for k, entry in enumerate(per_lane):
-        try:
-            r = LaneRows(**{f: int(entry[f]) for f in LaneRows.__dataclass_fields__})
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"{where}: lane {k}'s entry is malformed ({type(e).__name__}: {e}); expected "
-                f"ints {', '.join(LaneRows.__dataclass_fields__)}"
-            ) from None
-        if (r.lane != k or r.first < 0 or r.count < 0 or r.offset != pos
-                or (capacity is not None and r.count > capacity)):
-            raise CheckpointError(
-                f"{where}: lane {k}'s entry {asdict(r)} is inconsistent: expected lane {k}, "
-                f"first >= 0, 0 <= count <= capacity ({capacity}) and offset {pos}"
-            )
+        if not isinstance(entry, Mapping) or any(f not in entry for f in keys):
+            raise _bad(where, f"per_lane[{k}] should be a dict of ints {', '.join(keys)}; found "
+                              f"{_show(entry)}")
+        at = f"lane {k}'s entry per_lane[{k}]"
+        first = _check_int(entry["first"], f"{at}['first']", 0, MAX_INDEX, where)
+        count = _check_int(entry["count"], f"{at}['count']", 0, capacity, where)
+        if first + count > MAX_INDEX:
+            raise _bad(where, f"{at}['first'] + ['count'] is {first + count}, past the largest "
+                              f"logical index a lane can hold ({MAX_INDEX})")
+        r = LaneRows(
+            lane=_check_int(entry["lane"], f"{at}['lane']", k, k, where),
+            first=first,
+            count=count,
+            offset=_check_int(entry["offset"], f"{at}['offset']", pos, pos, where),
+            episode=_check_int(entry["episode"], f"{at}['episode']", 0, MAX_EPISODE, where),
+            # A writer moves episode_start only up to its committed index (first + count).
+            episode_start=_check_int(entry["episode_start"], f"{at}['episode_start']", 0,
+                                     first + count, where),
+        )
         lanes.append(r)
         pos += r.count
     if pos != rows:
-        raise CheckpointError(
-            f"{where}: the lanes hold {pos} rows in all but the arrays have {rows}"
-        )
+        raise _bad(where, f"the lanes' counts add up to {pos} rows but the arrays have {rows} rows")
     return lanes
-
-
-def _open_npy(directory: Path, entry: dict[str, Any], what: str) -> np.ndarray:
-    """Map one ``.npy`` read-only and check it against its manifest entry."""
-    path = directory / entry["file"]
-    shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
-    expected = f"shape {shape} {dtype}"
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path}: missing; the manifest lists it for {what} ({expected}). The checkpoint "
-            f"is incomplete. Fix: save the buffer again, or restore the file from a copy"
-        ) from None
-    except (ValueError, EOFError, OSError) as e:
-        size = path.stat().st_size if path.exists() else 0
-        raise CheckpointError(
-            f"{path}: truncated or corrupt ({size} bytes on disk; numpy says: {e}); expected "
-            f"{what} as {expected}. Fix: save the buffer again, or restore the file from a copy"
-        ) from None
-    if arr.shape != shape or arr.dtype != dtype:
-        raise CheckpointError(
-            f"{path}: expected {what} as {expected}, found shape {arr.shape} {arr.dtype}. The "
-            f"file does not belong to this manifest. Fix: save the buffer again"
-        )
-    return arr
 
 
 # --------------------------------------------------------------------------------------------
@@ -721,6 +899,10 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
     may the episode capacity (a lane keeps its newest records). States from before episode
     records existed load as stored-next_obs states without records.
 
+    Every entry of ``state`` is checked (types, shapes, dtypes, each per-lane counter's range,
+    lengths that agree) before the first byte of ``buf`` changes: a rejected state leaves the
+    buffer exactly as it was.
+
     Raises:
         SpecMismatchError: the state's spec, lane count, next_obs mode or episode spec differs
             from ``buf``'s.
@@ -728,27 +910,24 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
         LaneBusyError: a lane has a live writer; nothing was changed.
     """
     buf._check_open()
-    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+    where = "load_state_dict()"
+    fmt = state.get("format") if isinstance(state, Mapping) else None
+    if not isinstance(fmt, str) or fmt != STATE_FORMAT:
+        found = fmt if isinstance(state, Mapping) else type(state).__name__
         raise CheckpointError(
             f"load_state_dict(): expected a dict from buf.state_dict() (format "
-            f"{STATE_FORMAT!r}), found {found!r}"
+            f"{STATE_FORMAT!r}), found {_show(found)}"
         )
-    if state.get("version") != VERSION:
+    version = state.get("version")
+    if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) \
+            or version != VERSION:
         raise CheckpointError(
-            f"load_state_dict(): expected state version {VERSION}, found "
-            f"{state.get('version')!r}. Fix: load it with the shmbuf version that made it"
+            f"load_state_dict(): expected state version {VERSION}, found {_show(version)}. Fix: "
+            f"load it with the shmbuf version that made it"
         )
-    try:
-        spec = Spec.from_json(state["spec"])
-        n_lanes = int(state["lanes"])
-        fields = state["fields"]
-        meta = np.asarray(state["meta"])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"load_state_dict(): a required entry is missing or malformed "
-            f"({type(e).__name__}: {e})"
-        ) from None
+    spec = _spec_from_json(_entry(state, "spec", where), "spec", where)
+    n_lanes = _check_int(_entry(state, "lanes", where), "'lanes'", 1, L.MAX_LANES, where)
+    capacity = _check_int(_entry(state, "capacity", where), "'capacity'", 1, MAX_INDEX, where)
     if spec != buf.spec:
         raise SpecMismatchError(
             f"load_state_dict(): the state's spec is {spec!r}, this buffer's is {buf.spec!r}. "
@@ -760,7 +939,7 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
             f"load_state_dict(): the state has {n_lanes} lanes, this buffer has {buf.lanes}. "
             f"Fix: create the buffer with lanes={n_lanes}"
         )
-    options = _parse_options(state, "load_state_dict()")
+    options = _parse_options(state, where)
     mode = "derived" if buf.derived_next_obs else "stored"
     if options["next_obs"] != mode:
         raise SpecMismatchError(
@@ -776,33 +955,37 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
                 f"this buffer's is {buf.episode_spec!r}. Fix: create the buffer with the same "
                 f"episode_spec"
             )
-        try:
-            episodes = state["episodes"]
-            records = Records(np.asarray(episodes["records"]),
-                              {k: np.asarray(v) for k, v in dict(episodes["fields"]).items()})
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"load_state_dict(): 'episodes' is malformed ({type(e).__name__}: {e})"
-            ) from None
-        _check_records(records, n_lanes, buf.episode_spec, "load_state_dict()")
-    rows = int(meta.shape[0]) if meta.ndim == 1 else -1
-    if meta.dtype != np.int64 or rows < 0:
-        raise CheckpointError(
-            f"load_state_dict(): 'meta' should be int64 [rows], found {meta.shape} {meta.dtype}"
-        )
-    lanes = _check_lanes(state.get("per_lane"), n_lanes, None, rows, "load_state_dict()")
+        records = _state_records(state["episodes"], buf.episode_spec, n_lanes, where)
+    meta = _as_array(_entry(state, "meta", where), "'meta'", where)
+    if meta.dtype != np.int64 or meta.ndim != 1:
+        raise _bad(where, f"'meta' should be int64 [rows], found {meta.shape} {meta.dtype}")
+    rows = int(meta.shape[0])
+    lanes = _check_lanes(_entry(state, "per_lane", where), n_lanes, capacity, rows, where)
+    fields = _entry(state, "fields", where)
     if not isinstance(fields, Mapping) or set(fields) != set(spec):
-        got = sorted(fields) if isinstance(fields, Mapping) else type(fields).__name__
-        raise CheckpointError(
-            f"load_state_dict(): 'fields' should hold arrays for {list(spec)}, found {got}"
-        )
+        got = sorted(map(str, fields)) if isinstance(fields, Mapping) else _show(fields)
+        raise _bad(where, f"'fields' should hold arrays for {list(spec)}, found {got}")
     arrays = {}
     for name, f in spec.items():
-        arr = np.asarray(fields[name])
+        arr = _as_array(fields[name], f"field {name!r}", where)
         if arr.shape != (rows, *f.shape) or arr.dtype != f.dtype:
-            raise CheckpointError(
-                f"load_state_dict(): field {name!r} should be shape {(rows, *f.shape)} "
-                f"{f.dtype}, found {arr.shape} {arr.dtype}. The state is inconsistent"
-            )
+            raise _bad(where, f"field {name!r} should be shape {(rows, *f.shape)} {f.dtype}, "
+                              f"found {arr.shape} {arr.dtype}")
         arrays[name] = arr
     _restore(buf, lanes, arrays, meta, None, f"load_state_dict into {buf.name}", records)
+
+
+def _state_records(section: Any, spec: Spec | None, n_lanes: int, where: str) -> Records:
+    """The episode records of a state dict, checked."""
+    if not isinstance(section, Mapping) or "records" not in section or "fields" not in section:
+        raise _bad(where, f"'episodes' should be a dict with 'records' and 'fields', found "
+                          f"{_show(section)}")
+    table = _as_array(section["records"], "'episodes' 'records'", where)
+    fields = section["fields"]
+    if not isinstance(fields, Mapping):
+        raise _bad(where, f"'episodes' 'fields' should map episode field names to arrays, found "
+                          f"{_show(fields)}")
+    values = {k: _as_array(v, f"'episodes' 'fields'[{_show(k)}]", where) for k, v in fields.items()}
+    records = Records(table, values)
+    _check_records(records, n_lanes, spec, where)
+    return records

@@ -46,7 +46,10 @@ def _priority_layout(lanes: int, capacity: int, json_len: int) -> dict[str, Any]
 class PriorityTable:
     """Priorities of one buffer's rows. ``create`` in the learner, ``attach`` in workers.
 
-    Priorities are stored as ``(p + eps) ** alpha``; draws are proportional to them.
+    Priorities are stored as ``(p + eps) ** alpha``; draws are proportional to them. Every sum
+    stays finite: a stored value is at most ``float64 max / (2 * lanes * capacity)``, so even a
+    table full of rows entered at the largest priority (``sync``) sums to at most half the
+    float64 range; ``update`` refuses priorities above ``max_allowed``.
     """
 
     def __init__(self, segment: Segment, owner: bool) -> None:
@@ -55,6 +58,7 @@ class PriorityTable:
         self.owner = owner
         self.lanes, self.capacity = int(doc["lanes"]), int(doc["capacity"])
         self.alpha, self.eps = float(doc["alpha"]), float(doc["eps"])
+        self.max_allowed = _max_priority(self.alpha, self.eps, self.lanes * self.capacity)
         lay = _priority_layout(self.lanes, self.capacity, len(L.encode_layout(doc)))
         P = lay["P"]
         mm = segment.buf
@@ -122,7 +126,8 @@ class PriorityTable:
         are skipped. Returns how many were applied.
 
         Raises:
-            InvalidPriorityError: a priority is NaN, infinite or negative (nothing is applied).
+            InvalidPriorityError: a priority is NaN, infinite, negative or above
+                ``max_allowed``, where a sum of the tree could overflow (nothing is applied).
         """
         p = np.asarray(priorities, np.float64).reshape(-1)
         indices = np.asarray(indices, np.int64).reshape(-1)
@@ -136,6 +141,16 @@ class PriorityTable:
                 f"priority {p[b]!r} at position {b} (index {int(indices[b])} of lane "
                 f"{int(lanes[b])}) is not allowed: priorities must be finite and >= 0 "
                 f"({int(bad.sum())} bad of {p.size}); nothing was updated"
+            )
+        big = p > self.max_allowed
+        if big.any():
+            b = int(np.flatnonzero(big)[0])
+            raise InvalidPriorityError(
+                f"priority {float(p[b])!r} at position {b} (index {int(indices[b])} of lane "
+                f"{int(lanes[b])}) is too large: with alpha={self.alpha} and "
+                f"{self.lanes * self.capacity} rows the sum tree could overflow to inf. "
+                f"Priorities must be at most {self.max_allowed!r}; nothing was updated. Fix: "
+                f"rescale or clip them (e.g. clip TD errors)"
             )
         if ((lanes < 0) | (lanes >= self.lanes)).any():
             raise ValueError(f"lanes must be in [0, {self.lanes})")
@@ -196,6 +211,18 @@ class PriorityTable:
     def close(self) -> None:
         self.sums = self.mins = self.gen = None  # type: ignore[assignment]
         self.seg.close()
+
+
+def _max_priority(alpha: float, eps: float, rows: int) -> float:
+    """The largest priority p whose stored value ``(p + eps) ** alpha`` keeps a sum over
+    ``rows`` such values within half the float64 range (inf if every finite p does)."""
+    if alpha == 0:
+        return math.inf
+    value = float(np.finfo(np.float64).max) / (2 * rows)
+    try:
+        return value ** (1.0 / alpha) - eps
+    except OverflowError:
+        return math.inf
 
 
 def importance_weights(probs: np.ndarray, pmin: float, beta: float) -> np.ndarray:

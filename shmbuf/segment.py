@@ -2,14 +2,25 @@
 
 A ``Segment`` is one ``/dev/shm`` file mapped into this process. Its creator is its owner: the
 owner holds the ``LOCK_OWNER`` lease for as long as it lives, and unlinks the segment on
-``close()``, at normal exit and on SIGTERM (and SIGINT where Python's KeyboardInterrupt is not in
-charge). A segment whose owner lease is free was leaked by a dead owner; ``shmbuf gc`` removes
-only those.
+``close()``, at normal exit (atexit, and a multiprocessing child's exit) and when a signal whose
+default action would kill it arrives. A segment whose owner lease is free was leaked by a dead
+owner; ``shmbuf gc`` removes only those.
+
+Signals: ``import shmbuf`` on the main thread replaces the default action (``SIG_DFL``) of
+SIGTERM, SIGHUP and SIGINT (where Python's KeyboardInterrupt handler is not in charge) with a
+handler that unlinks this process's own segments and then dies of the signal as before; a
+process that owns nothing sees no difference but for ``signal.getsignal``. Handlers the user
+installs, before or after, are left alone, and a handler that returns keeps the buffer alive.
+See ``_install_signal_handlers``.
 
 Concurrency: the header is written once, by the creator, before the magic; after that it is
 read-only. Leases are OFD locks taken on a file description this process opened itself
 (``/proc/self/fd``), so they die with the process, even by SIGKILL, and are never shared with a
 forked child: children close inherited lease descriptors at fork.
+
+Headers are untrusted input (any process of the user can write /dev/shm): ``read_header``
+bounds every length before reading and validates every field, so a malformed file is a
+``SegmentFormatError`` naming it, never a hang, a crash or an exhausted memory.
 """
 
 from __future__ import annotations
@@ -18,12 +29,16 @@ import atexit
 import errno
 import fcntl
 import json
+import math
 import mmap
 import os
+import platform
 import re
 import secrets
 import signal
+import stat
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -33,17 +48,20 @@ from typing import Any
 import posix_ipc
 
 from . import layout as L
+from ._util import _timeout
 from .errors import (
     BufferInUseError,
     CapacityError,
     SegmentExistsError,
     SegmentFormatError,
     SegmentNotFoundError,
+    UnsupportedPlatformError,
 )
 
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "shmbuf-"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")  # matched whole (fullmatch), "." and ".." refused
+ALLOW_ARCH_ENV = "SHMBUF_UNSAFE_ALLOW_ARCH"
 
 # struct flock on Linux x86-64 and aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (l_pid must be 0 for OFD locks).
@@ -131,13 +149,16 @@ os.register_at_fork(after_in_child=Lease._after_fork_in_child)
 
 
 # --------------------------------------------------------------------------------------------
-# Owner cleanup: atexit and signals
+# Owner cleanup: atexit, multiprocessing exits and signals
 # --------------------------------------------------------------------------------------------
 _owned: dict[str, int] = {}  # segment name -> pid of the owner that must unlink it
 # Re-entrant: the signal handler runs on the main thread, possibly while that thread is inside
 # one of the critical sections below; a plain Lock would deadlock it (the process hangs).
 _owned_lock = threading.RLock()
-_prev_handlers: dict[int, Any] = {}
+# Signals whose default action ends the process without running atexit.
+CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_signals_decided = False  # whether this process has looked at their dispositions yet
+_exit_hooks: set[tuple[str, int]] = set()  # (multiprocessing util module, pid) hooked
 
 
 def _unlink_owned() -> None:
@@ -151,42 +172,62 @@ def _unlink_owned() -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    """Stands in for the default action of ``signum`` (terminate): unlink this process's own
+    segments, then die of the signal as the default action would."""
     _unlink_owned()
-    prev = _prev_handlers.get(signum, signal.SIG_DFL)
-    if callable(prev):
-        prev(signum, frame)
-    elif prev == signal.SIG_IGN:
-        return
-    else:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _install_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
+    """Put ``_on_signal`` in place of the default action of SIGTERM, SIGINT and SIGHUP.
+
+    Policy (issue 8, items 8 and 9): only a signal whose disposition is ``SIG_DFL`` gets it,
+    because only the default action ends the process without running atexit. A handler of the
+    user's (installed before or after) is never wrapped or replaced: if it returns, the process
+    goes on and so does its buffer (workers restarted later still attach by name); if it ends
+    the process (``sys.exit``, an uncaught ``KeyboardInterrupt`` from Python's SIGINT handler),
+    the normal exit path unlinks. ``SIG_IGN`` stays ignored. It runs once per process, from
+    ``import shmbuf`` on the main thread (or, if shmbuf was first imported elsewhere, from the
+    first ``create`` on the main thread), so an owner created in any thread is covered; a
+    disposition the user sets afterwards, ``SIG_DFL`` included, is left as it is.
+    """
+    global _signals_decided
+    if _signals_decided or threading.current_thread() is not threading.main_thread():
         return
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        current = signal.getsignal(sig)
-        if current is _on_signal or current == signal.SIG_IGN:
-            continue
-        if sig == signal.SIGINT and current is signal.default_int_handler:
-            continue  # KeyboardInterrupt unwinds to a normal exit, where atexit unlinks
-        if current is None:  # installed from C; cannot chain to it
-            continue
-        _prev_handlers[sig] = current
+    _signals_decided = True
+    for sig in CLEANUP_SIGNALS:
         try:
-            signal.signal(sig, _on_signal)
-        except (ValueError, OSError):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not the main interpreter, or a signal we cannot catch
             pass
 
 
+def _hook_multiprocessing_exit() -> None:
+    """A multiprocessing child ends with ``os._exit``, skipping atexit, after running its
+    ``util`` exit finalizers: register the cleanup there too (stdlib and ``multiprocess``)."""
+    pid = os.getpid()
+    for modname in ("multiprocessing.util", "multiprocess.util"):
+        util = sys.modules.get(modname)
+        if util is None or (modname, pid) in _exit_hooks:
+            continue
+        try:
+            util.Finalize(None, _unlink_owned, exitpriority=0)
+        except Exception:  # noqa: BLE001 - an unexpected util module: atexit still covers us
+            continue
+        _exit_hooks.add((modname, pid))
+
+
 atexit.register(_unlink_owned)
+_install_signal_handlers()
 
 
 def _register_owned(name: str) -> None:
     with _owned_lock:
         _owned[name] = os.getpid()
     _install_signal_handlers()
+    _hook_multiprocessing_exit()
 
 
 def _forget_owned(name: str) -> None:
@@ -202,15 +243,47 @@ def normalize_name(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"segment name must be a str, got {type(name).__name__}")
     bare = name[1:] if name.startswith("/") else name
-    if not _NAME_RE.match(bare):
+    if not _NAME_RE.fullmatch(bare) or bare in (".", ".."):
         raise ValueError(
-            f"segment name {name!r} is not valid: use 1-200 letters, digits, '_', '.', '-'"
+            f"segment name {name!r} is not valid: use 1-200 letters, digits, '_', '.', '-' "
+            f"(not '.' or '..'), e.g. 'shmbuf-myrun'"
         )
     return bare
 
 
 def new_name(kind: str) -> str:
     return f"{DEFAULT_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Platform
+# --------------------------------------------------------------------------------------------
+_TSO_MACHINES = frozenset({"x86_64", "amd64"})
+
+
+def platform_supported(machine: str, pointer_bits: int) -> bool:
+    """True where the stamp protocol is safe without fences: 64-bit x86 (TSO: stores are not
+    reordered with stores, nor loads with loads, and aligned 8-byte accesses are atomic)."""
+    return machine.lower() in _TSO_MACHINES and pointer_bits == 64
+
+
+def check_platform() -> None:
+    """Refuse to create or attach a segment where the seqlock would be unsafe.
+
+    The writer's payload, stamp and ``committed`` stores are plain stores that x86-64 keeps in
+    order; on weaker machines (aarch64, POWER, RISC-V) a reader could see a stamp before the
+    row it guards. Until fences exist there, ``SHMBUF_UNSAFE_ALLOW_ARCH=1`` lets experiments run
+    anyway, at the risk of torn rows.
+    """
+    machine = platform.machine()
+    bits = 64 if sys.maxsize > 2**32 else 32
+    if platform_supported(machine, bits) or os.environ.get(ALLOW_ARCH_ENV) == "1":
+        return
+    raise UnsupportedPlatformError(
+        f"shmbuf's shared-memory protocol relies on x86-64 store ordering; this is "
+        f"{machine or 'an unknown machine'} ({bits}-bit Python), where rows could be read torn. "
+        f"Fix: run on 64-bit x86, or set {ALLOW_ARCH_ENV}=1 to experiment at your own risk"
+    )
 
 
 def shm_free_bytes() -> int:
@@ -235,6 +308,16 @@ def _capacity_error(name: str, size: int, free: int) -> CapacityError:
         f"{_fmt_bytes(free)} free. Fix: lower capacity, or give {SHM_DIR} more room (Docker: "
         f"`docker run --shm-size=<size>`; Kubernetes: an emptyDir with medium: Memory), or "
         f"remove leaked segments with `shmbuf gc`"
+    )
+
+
+def _no_room_for_a_file(name: str) -> CapacityError:
+    return CapacityError(
+        f"cannot create segment {name!r}: {SHM_DIR} has no room for another file (its inodes "
+        f"are used up, or it is full). Fix: remove leaked segments with `shmbuf gc` and unused "
+        f"files in {SHM_DIR}, or give {SHM_DIR} more room (Docker: `docker run "
+        f"--shm-size=<size>`; Kubernetes: an emptyDir with medium: Memory; a tmpfs mount: "
+        f"size= and nr_inodes=)"
     )
 
 
@@ -265,23 +348,69 @@ class Header:
 _HDR = struct.Struct("<8sIIQQQdII")  # magic, version, kind, size, pid, start, created, uid, jsonlen
 
 
-def read_header(fd: int) -> Header | None:
-    """Read a header through ``fd``; None if this is not (yet) an initialised shmbuf segment."""
+def _magic_so_far(magic: bytes) -> bool:
+    """True if ``magic`` is all zero or part of the real one: a creator may be writing it."""
+    return all(b == 0 or b == m for b, m in zip(magic, L.MAGIC))
+
+
+def read_header(fd: int, name: str = "?") -> Header | None:
+    """Read and validate the header of segment ``name`` through ``fd``.
+
+    Returns None while the segment is not initialised yet (empty, or a page-sized file whose
+    magic is not complete: its creator is still writing it, or died doing so). Raises
+    ``SegmentFormatError`` naming ``name`` for anything else that is not a valid header of this
+    format: too short, wrong magic, another format version, an unknown kind, a length, size or
+    time out of range, a layout JSON that is corrupt, too long or too deep, or a file whose size
+    differs from the one its header records. Reads at most ``MAX_LAYOUT_JSON`` bytes.
+    """
+    def bad(why: str) -> SegmentFormatError:
+        return SegmentFormatError(
+            f"segment {name!r} is not a valid shmbuf segment: {why}. If it is a leftover, "
+            f"remove it by hand (rm {os.path.join(SHM_DIR, name)}); `shmbuf gc` never removes "
+            f"files it cannot validate"
+        )
+
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise bad("not a regular file")
+    if st.st_size == 0:
+        return None  # created, not sized yet
     raw = os.pread(fd, L.H_JSON, 0)
     if len(raw) < L.H_JSON:
-        return None
+        raise bad(f"{st.st_size} bytes, shorter than a header ({L.H_JSON} bytes)")
     magic, version, kind, size, pid, start, created, uid, jlen = _HDR.unpack_from(raw)
     if magic != L.MAGIC:
-        return None
+        if _magic_so_far(magic) and st.st_size % L.PAGE == 0:
+            return None
+        raise SegmentFormatError(
+            f"segment {name!r} is not an initialised shmbuf segment: it starts with "
+            f"{magic!r}, not the shmbuf magic {L.MAGIC!r}. It is not ours; `shmbuf gc` leaves it"
+        )
     if version != L.FORMAT_VERSION:
         raise SegmentFormatError(
-            f"segment has format version {version}; this shmbuf reads version "
+            f"segment {name!r} has format version {version}; this shmbuf reads version "
             f"{L.FORMAT_VERSION}. Fix: use the same shmbuf version in every process"
         )
+    if kind not in L.KIND_NAMES:
+        raise bad(f"unknown kind {kind} (known: {L.KIND_NAMES})")
+    if jlen > L.MAX_LAYOUT_JSON or L.header_size(jlen) > size:
+        raise bad(f"a layout JSON of {jlen} bytes (at most {L.MAX_LAYOUT_JSON}, within the "
+                  f"segment's {size} bytes)")
+    if size != st.st_size:
+        raise bad(f"its header says {size} bytes but the file has {st.st_size}: truncated or "
+                  f"corrupt")
+    if not (math.isfinite(created) and 0 <= created <= L.MAX_CREATED):
+        raise bad(f"creation time {created!r} is out of range")
+    if not 0 < pid < 2**31:
+        raise bad(f"owner pid {pid} is out of range")
+    payload = os.pread(fd, jlen, L.H_JSON)
+    if len(payload) != jlen:
+        raise bad(f"its layout JSON is cut short ({len(payload)} of {jlen} bytes)")
     try:
-        doc = json.loads(os.pread(fd, jlen, L.H_JSON))
-    except ValueError as e:
-        raise SegmentFormatError(f"segment header JSON is corrupt: {e}") from None
+        doc = json.loads(payload)
+        L.check_layout_doc(kind, doc, size)
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
+        raise bad(f"its layout is corrupt ({type(e).__name__}: {str(e)[:200]})") from None
     return Header(version, kind, size, pid, start, created, uid, doc)
 
 
@@ -310,11 +439,20 @@ class Segment:
         """Create, size and initialise a segment; the caller becomes its owner.
 
         ``size_of(json_len)`` returns the total size for a layout JSON of that many bytes.
+
+        Raises:
+            CapacityError: /dev/shm has too little room, or no inode left for a new file.
+            SegmentExistsError: ``name`` is taken.
+            UnsupportedPlatformError: not 64-bit x86 (see ``check_platform``).
         """
-        bare = normalize_name(name) if name is not None else new_name(
-            {L.KIND_BUFFER: "buf", L.KIND_STAGING: "staging"}.get(kind, "prio")
-        )
+        check_platform()
+        bare = normalize_name(name) if name is not None else new_name(L.KIND_TAGS[kind])
         payload = L.encode_layout(doc)
+        if len(payload) > L.MAX_LAYOUT_JSON:
+            raise ValueError(
+                f"the layout of segment {bare!r} is {len(payload)} bytes of JSON, more than "
+                f"{L.MAX_LAYOUT_JSON}. Fix: fewer fields (group small ones into arrays)"
+            )
         size = int(size_of(len(payload)))
         free = shm_free_bytes()
         if size > free:
@@ -327,6 +465,10 @@ class Segment:
                 f"name, attach to it with ReplayBuffer.attach({bare!r}), or remove a leaked one "
                 f"with `shmbuf gc`"
             ) from None
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _no_room_for_a_file(bare) from None
+            raise
         fd = shm.fd
         lease = None
         mm = None
@@ -337,7 +479,7 @@ class Segment:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENOMEM):
                     raise _capacity_error(bare, size, shm_free_bytes()) from None
                 raise
             mm = _map(fd, size)
@@ -368,8 +510,18 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str, kind: int | None = None, timeout: float = 5.0) -> Segment:
-        """Map an existing segment; never resizes it. Waits up to ``timeout`` for its creator
-        to finish initialising it."""
+        """Map an existing segment; never resizes it. Waits up to ``timeout`` seconds for its
+        creator to finish initialising it.
+
+        Raises:
+            SegmentNotFoundError: no segment of that name.
+            SegmentFormatError: not a valid shmbuf segment of this format (of ``kind``, if
+                given), or another user's; nothing stays open or mapped.
+            UnsupportedPlatformError: not 64-bit x86 (see ``check_platform``).
+            ValueError: a bad ``timeout`` (NaN, infinite, negative, not a number).
+        """
+        wait = _timeout("timeout", timeout)
+        check_platform()
         bare = normalize_name(name)
         try:
             shm = posix_ipc.SharedMemory("/" + bare)  # size 0: never truncates the owner's file
@@ -383,6 +535,12 @@ class Segment:
                 f"segment {bare!r} belongs to another user; shmbuf attaches only its own "
                 f"user's segments (they are created with mode 0600)"
             ) from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise SegmentFormatError(
+                    f"{bare!r} in {SHM_DIR} is not a shmbuf segment ({e.strerror})"
+                ) from None
+            raise
         fd = shm.fd
         try:
             st = os.fstat(fd)
@@ -390,22 +548,22 @@ class Segment:
                 raise SegmentFormatError(
                     f"segment {bare!r} is owned by uid {st.st_uid}, not {os.getuid()}"
                 )
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + wait
             while True:
-                header = read_header(fd)
+                header = read_header(fd, bare)
                 if header is not None:
                     break
                 if time.monotonic() >= deadline:
                     raise SegmentFormatError(
                         f"{bare!r} is not an initialised shmbuf segment (no magic after "
-                        f"{timeout}s): its creator died while creating it, or it is not ours. "
+                        f"{wait}s): its creator died while creating it, or it is not ours. "
                         f"`shmbuf gc` removes leaked ones"
                     )
                 time.sleep(0.01)
             if kind is not None and header.kind != kind:
                 raise SegmentFormatError(
-                    f"segment {bare!r} is a {_KIND_NAMES.get(header.kind, header.kind)}, "
-                    f"not a {_KIND_NAMES.get(kind, kind)}"
+                    f"segment {bare!r} is a {L.kind_name(header.kind)}, not a "
+                    f"{L.kind_name(kind)}"
                 )
             if header.owner_uid != os.getuid():
                 raise SegmentFormatError(f"segment {bare!r} was created by uid {header.owner_uid}")
@@ -479,10 +637,6 @@ class Segment:
             os.close(fd)
 
 
-_KIND_NAMES = {L.KIND_BUFFER: "replay buffer", L.KIND_STAGING: "staging ring",
-               L.KIND_PRIORITY: "priority table"}
-
-
 def _map(fd: int, size: int) -> mmap.mmap:
     """Map a segment shared, read-write. Huge pages are requested: on a 4 KiB-page /dev/shm
     every process pays a page fault per page it first touches (about 7 us each measured on a
@@ -513,43 +667,93 @@ def unlink(name: str) -> bool:
 class SegmentInfo:
     name: str
     size: int
-    header: Header | None  # None: not (yet) initialised
+    header: Header | None  # None: not (yet) initialised, or unreadable
     alive: bool  # owner lease held
     age: float  # seconds since the file was last changed
+    error: str | None = None  # why it is unreadable (malformed, or not ours): gc keeps it
 
     @property
     def kind_name(self) -> str:
+        if self.error is not None:
+            return "unknown"
         if self.header is None:
             return "uninitialised"
-        return _KIND_NAMES.get(self.header.kind, f"kind {self.header.kind}")
+        return L.kind_name(self.header.kind)
+
+
+def open_regular(path: str) -> int | None:
+    """Open ``path`` read-only if it is a regular file of this user; None otherwise.
+
+    Never blocks and never follows a link: anyone can put a FIFO, a device node or a symlink
+    in /dev/shm, and a plain ``open`` of a FIFO waits forever for a writer. ``lstat`` skips
+    them without opening; ``O_NONBLOCK | O_NOFOLLOW`` and an ``fstat`` check cover a file
+    swapped in between.
+    """
+    uid = os.getuid()
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _inspect_file(fd: int, entry: str) -> tuple[Header | None, str | None, bool]:
+    """(header, why it is unreadable, whether it is ours) of the open /dev/shm file ``entry``."""
+    header, error = None, None
+    try:
+        header = read_header(fd, entry)
+    except SegmentFormatError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"segment {entry!r} cannot be read: {e}"
+    ours = entry.startswith(DEFAULT_PREFIX) or os.pread(fd, len(L.MAGIC), 0) == L.MAGIC
+    if ours and header is None and error is None:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            error = (f"{entry!r} has no shmbuf header and mode {mode:04o}; shmbuf creates its "
+                     f"segments with mode 0600, so it is not one of them")
+    return header, error, ours
 
 
 def scan(include_foreign: bool = False) -> list[SegmentInfo]:
-    """Every shmbuf segment of this user in /dev/shm, alive or leaked."""
-    out = []
+    """Every shmbuf segment of this user in /dev/shm: alive, leaked, being created, or
+    unreadable (a malformed file named ``shmbuf-*`` or carrying the magic; ``error`` says why).
+
+    Opens only regular files, without blocking; one bad file never stops the scan.
+    """
+    out: list[SegmentInfo] = []
     try:
         entries = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return out
-    uid = os.getuid()
     for entry in entries:
-        path = os.path.join(SHM_DIR, entry)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
+        fd = open_regular(os.path.join(SHM_DIR, entry))
+        if fd is None:
             continue
         try:
             st = os.fstat(fd)
-            if st.st_uid != uid or not (st.st_mode & 0o170000 == 0o100000):
+            header, error, ours = _inspect_file(fd, entry)
+            if not ours:
                 continue
             try:
-                header = read_header(fd)
-            except SegmentFormatError:
-                header = None
-            if header is None and not entry.startswith(DEFAULT_PREFIX):
-                continue  # not ours
-            alive = is_locked(fd, L.LOCK_OWNER)
-            out.append(SegmentInfo(entry, st.st_size, header, alive, time.time() - st.st_mtime))
+                alive = is_locked(fd, L.LOCK_OWNER)
+            except OSError as e:
+                alive, error = False, error or f"cannot probe {entry!r}'s owner lease: {e}"
+            age = time.time() - st.st_mtime
+            out.append(SegmentInfo(entry, st.st_size, None if error else header, alive, age,
+                                   error))
+        except OSError:
+            continue  # vanished or unreadable between the listing and now
         finally:
             os.close(fd)
     return out

@@ -234,6 +234,63 @@ def _float_max(dtype: np.dtype) -> float | None:
     return float(np.finfo(part).max) if part.itemsize < 8 else None
 
 
+# How a value of one dtype goes into a field of another (``RowChecker``'s cached decision).
+_REFUSE = 0  # not a same_kind cast: refused whatever the value
+_SAFE = 1  # every value of the source dtype fits: stored without a look at the values
+_INT_RANGE = 2  # an integer field narrower than the source: bound = (lo, hi)
+_FLOAT_RANGE = 3  # a float/complex field narrower than the source: bound = overflow limit
+_FLOAT64 = np.dtype(np.float64)  # what a Python float (or complex part) is converted through
+
+
+def _part(dtype: np.dtype) -> np.dtype:
+    """The real dtype of each component (complex64 -> float32); itself for real dtypes."""
+    return np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
+
+
+def _overflow_limit(dtype: np.dtype) -> int:
+    """The smallest magnitude that a cast into float/complex ``dtype`` rounds to inf, as an
+    exact Python int: the largest finite value plus half a unit in its last place (the tie
+    rounds to even, which is inf). float16: 65520, float32: 2**128 - 2**103."""
+    info = np.finfo(_part(dtype))
+    return int(info.max) + 2 ** (info.maxexp - 2 - info.nmant)
+
+
+def _largest(dtype: np.dtype) -> int:
+    """The largest finite magnitude a value (or component) of ``dtype`` can have."""
+    if dtype.kind == "b":
+        return 1
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return max(-int(info.min), int(info.max))
+    return int(np.finfo(_part(dtype)).max)
+
+
+def _cast_rule(src: np.dtype, dst: np.dtype) -> tuple[int, Any]:
+    """(decision, bound) for values of dtype ``src`` going into a field of dtype ``dst``;
+    see ``RowChecker`` for the rule. Pure dtype logic, cached per (field, source dtype)."""
+    if not np.can_cast(src, dst, "same_kind"):
+        return _REFUSE, None
+    if dst.kind in "iu":
+        if np.can_cast(src, dst, "safe"):
+            return _SAFE, None
+        info = np.iinfo(dst)
+        return _INT_RANGE, (int(info.min), int(info.max))
+    if dst.kind in "fc":
+        limit = _overflow_limit(dst)
+        if _largest(src) < limit:
+            return _SAFE, None
+        if src.kind in "iu":
+            return _FLOAT_RANGE, limit
+        return _FLOAT_RANGE, _part(src).type(limit)  # exact: src is the wider float
+    return _SAFE, None  # bool into bool
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: Python's repr, not NumPy's (``300``, not ``np.int64(300)``)."""
+    item = value.item() if isinstance(value, (np.generic, np.ndarray)) else value
+    return repr(item)
+
+
 def _fast_scalars(field: Field) -> tuple[frozenset[type], int, int, float, float]:
     """What stores into scalar ``field`` with no further check: the scalar types that cannot be
     out of kind or range (the field's own NumPy scalar type, Python float/bool where safe), and
@@ -260,6 +317,25 @@ class RowChecker:
 
     ``check_row`` is on the ``add`` hot path: per field it costs a type check, a shape compare and
     a dict lookup of a cached cast decision; no NumPy call unless the value needs converting.
+
+    The narrowing rule. One rule decides which values a field takes, the same for NumPy arrays,
+    NumPy scalars and Python numbers (``bool``, ``int``, ``float``, ``complex``), in ``add``,
+    ``extend``, vector writers and episode data. It is applied to the whole transition before
+    anything is stored, so a refused value raises ``SpecMismatchError`` (naming the field, its
+    dtype, the value and the fix) and changes nothing; a value it lets through stores without a
+    warning, even under ``python -W error``:
+
+    1. Kind: the value's dtype must cast to the field's under NumPy's ``"same_kind"`` rule
+       (bool -> anything; int -> int, float, complex; float -> float, complex; complex ->
+       complex). A Python number counts as bool, int64 (any size), float64 or complex128.
+    2. Integer fields: every value must lie in the field dtype's range, e.g. [-128, 127] for
+       int8 (``np.int64(300)``, ``-1`` into uint8 and ``np.uint64(2**63)`` into int64 are
+       refused; nothing wraps).
+    3. Float and complex fields: a finite value (each part of a complex one) must stay finite
+       after the cast (``70000`` into float16, ``2**200`` into float32 and ``1e300`` into
+       complex64 are refused); values that round to the largest finite value are stored
+       rounded (``65519.0`` into float16 stores 65504). Non-finite values (``nan``, ``+inf``,
+       ``-inf``) are stored as given, ``+inf`` and ``-inf`` alike.
     """
 
     def __init__(self, spec: Spec, row_op: str = "add", batch_op: str = "extend") -> None:
@@ -268,7 +344,10 @@ class RowChecker:
         self.names = tuple(spec)
         self._name_set = frozenset(self.names)
         self._fields = tuple(spec.values())
-        self._castable: list[dict[np.dtype, bool]] = [{f.dtype: True} for f in self._fields]
+        # Per field: source dtype -> (decision, bound) of ``_cast_rule``, filled on first use.
+        self._cast_rules: list[dict[np.dtype, tuple[int, Any]]] = [
+            {f.dtype: (_SAFE, None)} for f in self._fields
+        ]
         self._int_bounds = [
             (int(np.iinfo(f.dtype).min), int(np.iinfo(f.dtype).max)) if f.dtype.kind in "iu" else None
             for f in self._fields
@@ -296,33 +375,54 @@ class RowChecker:
             f"{op}(): {'; '.join(parts)}. The spec has {', '.join(self.names)}; pass each exactly once."
         )
 
-    def _castable_to(self, k: int, src: np.dtype) -> bool:
-        cache = self._castable[k]
-        ok = cache.get(src)
-        if ok is None:
-            ok = cache[src] = bool(np.can_cast(src, self._fields[k].dtype, "same_kind"))
-        return ok
+    def _check_cast(self, op: str, k: int, value: np.ndarray | np.generic) -> None:
+        """Apply the narrowing rule (class docstring) to an array or NumPy scalar whose dtype
+        differs from field ``k``'s: a cached decision per source dtype, then, only where the
+        source can hold values the field cannot, a vectorised look at the values."""
+        how, bound = self._cast_rules[k].get(value.dtype) or self._rule(k, value.dtype)
+        if how == _SAFE:
+            return
+        field = self._fields[k]
+        if how == _REFUSE:
+            raise self._dtype_error(op, field, value.dtype)
+        if value.size == 0:
+            return
+        if how == _INT_RANGE:
+            lo, hi = bound
+            vmin, vmax = int(value.min()), int(value.max())  # Python ints: no wrap, no warning
+            if vmin < lo or vmax > hi:
+                raise self._int_range_error(op, field, vmin if vmin < lo else vmax)
+            return
+        # _FLOAT_RANGE: a finite value at or beyond the overflow limit would become inf.
+        for part in ((value.real, value.imag) if value.dtype.kind == "c" else (value,)):
+            if part.dtype.kind in "iu":
+                over = part >= bound
+                if part.dtype.kind == "i":
+                    over |= part <= -bound
+            else:  # abs and comparisons never warn; nan and inf compare False or are not finite
+                over = np.isfinite(part) & (np.abs(part) >= bound)
+            if over.any():
+                bad = value.reshape(-1)[int(np.flatnonzero(np.reshape(over, -1))[0])]
+                raise self._float_range_error(op, field, bad)
 
-    def _check_range(self, op: str, field: Field, value: np.ndarray) -> None:
-        """A cast into a narrower float (float64 -> float32, int64 -> float16) must not turn a
-        finite value into inf: it would fail mid-store under warnings-as-errors, and store inf
-        otherwise. Checked on the slow path only (the dtypes differ)."""
-        fmax = _float_max(field.dtype)
-        if fmax is None or value.size == 0 or value.dtype.kind not in "iufc":
-            return
-        if value.dtype.kind in "fc" and value.dtype.itemsize <= field.dtype.itemsize:
-            return
-        mag = np.abs(value)
-        big = np.isfinite(mag) & (mag > fmax)
-        if big.any():
-            bad = value.reshape(-1)[int(np.flatnonzero(big.reshape(-1))[0])]
-            raise SpecMismatchError(
-                f"{op}(): field {field.name!r} ({field.dtype}) cannot hold {bad!r}: outside its "
-                f"finite range of +-{fmax:.4g} (it would become inf). Fix: clip or rescale it"
-            )
+    def _int_range_error(self, op: str, field: Field, bad: Any) -> SpecMismatchError:
+        info = np.iinfo(field.dtype)
+        return SpecMismatchError(
+            f"{op}(): field {field.name!r} ({field.dtype}) cannot hold {_show(bad)}: outside "
+            f"[{info.min}, {info.max}]. Fix: clip the value into that range, or give the field "
+            f"a wider dtype"
+        )
+
+    def _float_range_error(self, op: str, field: Field, bad: Any) -> SpecMismatchError:
+        largest = np.finfo(_part(field.dtype)).max
+        return SpecMismatchError(
+            f"{op}(): field {field.name!r} ({field.dtype}) cannot hold {_show(bad)}: outside "
+            f"its finite range (largest {float(largest):.6g}), it would be stored as inf. "
+            f"Fix: clip or rescale the value, or give the field a wider dtype"
+        )
 
     def _dtype_error(self, op: str, field: Field, got: np.dtype) -> SpecMismatchError:
-        if got == object:
+        if got.kind == "O":
             return SpecMismatchError(
                 f"{op}(): field {field.name!r} expects {field.describe()}; got an object array. "
                 f"Fix: pass a numeric NumPy array"
@@ -345,24 +445,7 @@ class RowChecker:
                 f"{op}(): field {field.name!r} expects {field.describe()}; got an object array "
                 f"(from {type(value).__name__}). Fix: pass a numeric NumPy array"
             )
-        if (
-            arr.dtype.kind in "iu"
-            and field.dtype.kind in "iu"
-            and arr.dtype != field.dtype
-            and arr.size
-            and not hasattr(value, "dtype")
-        ):
-            # NumPy chose the dtype from Python ints (e.g. a list): check their values, as add()
-            # does for a Python int, instead of letting a same_kind cast wrap them.
-            info = np.iinfo(field.dtype)
-            lo, hi = arr.min(), arr.max()
-            if lo < info.min or hi > info.max:
-                bad = lo if lo < info.min else hi
-                raise SpecMismatchError(
-                    f"{op}(): field {field.name!r} ({field.dtype}) cannot hold {bad}: outside "
-                    f"[{info.min}, {info.max}]"
-                )
-        return arr
+        return arr  # its values are checked by _check_cast, as any array's
 
     # -- add -------------------------------------------------------------------------------------
     def check_row(self, values: Mapping[str, Any]) -> list[Any]:
@@ -402,9 +485,7 @@ class RowChecker:
                     f"of rows use extend())"
                 )
             if v.dtype is not field.dtype:
-                if not self._castable_to(k, v.dtype):
-                    raise self._dtype_error(self._row_op, field, v.dtype)
-                self._check_range(self._row_op, field, v)
+                self._check_cast(self._row_op, k, v)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
                     f"{self._row_op}(): field {field.name!r} is a non-contiguous array (strides "
@@ -414,57 +495,62 @@ class RowChecker:
         return self._check_scalar(k, field, v)
 
     def _check_scalar(self, k: int, field: Field, v: Any) -> Any:
+        """A Python number or NumPy scalar (or anything array-like) for field ``k``."""
         kind = field.dtype.kind
-        if isinstance(v, bool) or isinstance(v, np.bool_):
-            ok = kind in "biufc"
+        op = self._row_op
+        if isinstance(v, (bool, np.bool_)):
+            ok = True
         elif isinstance(v, int):  # Python int (bool was handled above); NumPy ints go below
+            ok = kind in "iufc"
             bounds = self._int_bounds[k]
             if bounds is not None and not bounds[0] <= v <= bounds[1]:
-                raise SpecMismatchError(
-                    f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold {v}: outside "
-                    f"[{bounds[0]}, {bounds[1]}]"
-                )
-            ok = kind in "iufc"
-            if kind in "fc":
+                raise self._int_range_error(op, field, v)
+            if ok and kind in "fc":
                 try:
-                    float(v)
+                    f = float(v)  # as NumPy converts it: to float64 first
                 except OverflowError:
-                    raise SpecMismatchError(
-                        f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold the Python int "
-                        f"{v}: too large for a float"
-                    ) from None
+                    raise self._float_range_error(op, field, v) from None
+                self._check_python_float(op, k, field, f, v)
         elif isinstance(v, float):
             ok = kind in "fc"
-            fmax = _float_max(field.dtype)
-            if ok and fmax is not None and abs(v) > fmax and v != float("inf") and v == v:
-                raise SpecMismatchError(
-                    f"{self._row_op}(): field {field.name!r} ({field.dtype}) cannot hold {v!r}: "
-                    f"outside its finite range of +-{fmax:.4g} (it would become inf)"
-                )
+            if ok:
+                self._check_python_float(op, k, field, v, v)
         elif isinstance(v, complex):
             ok = kind == "c"
+            if ok:
+                self._check_python_float(op, k, field, v.real, v)
+                self._check_python_float(op, k, field, v.imag, v)
         else:
-            arr = v if isinstance(v, np.generic) else self._as_array(self._row_op, field, v)
+            arr = v if isinstance(v, np.generic) else self._as_array(op, field, v)
             if arr.shape != field.shape:
                 raise SpecMismatchError(
-                    f"{self._row_op}(): field {field.name!r} expects one transition of shape {field.shape}; "
+                    f"{op}(): field {field.name!r} expects one transition of shape {field.shape}; "
                     f"got shape {arr.shape} ({type(v).__name__})"
                 )
             if arr.dtype is not field.dtype:
-                if not self._castable_to(k, arr.dtype):
-                    raise self._dtype_error(self._row_op, field, arr.dtype)
-                self._check_range(self._row_op, field, arr)
+                self._check_cast(op, k, arr)
             return arr
         if field.shape != ():
             raise SpecMismatchError(
-                f"{self._row_op}(): field {field.name!r} expects shape {field.shape}; got the scalar {v!r}"
+                f"{op}(): field {field.name!r} expects shape {field.shape}; got the scalar {v!r}"
             )
         if not ok:
             raise SpecMismatchError(
-                f"{self._row_op}(): field {field.name!r} expects dtype {field.dtype}; got the Python "
+                f"{op}(): field {field.name!r} expects dtype {field.dtype}; got the Python "
                 f"{type(v).__name__} {v!r}, which does not cast to it safely (same_kind)"
             )
         return v
+
+    def _check_python_float(self, op: str, k: int, field: Field, f: float, given: Any) -> None:
+        """Rule 3 for one float64 value (or complex part) ``f`` going into float field ``k``."""
+        how, limit = self._cast_rules[k].get(_FLOAT64) or self._rule(k, _FLOAT64)
+        if how == _FLOAT_RANGE and math.isfinite(f) and abs(f) >= limit:
+            raise self._float_range_error(op, field, given)
+
+    def _rule(self, k: int, src: np.dtype) -> tuple[int, Any]:
+        """Decide (and cache) how values of dtype ``src`` go into field ``k``."""
+        rule = self._cast_rules[k][src] = _cast_rule(src, self._fields[k].dtype)
+        return rule
 
     # -- extend ----------------------------------------------------------------------------------
     def check_batch(self, data: Mapping[str, Any]) -> tuple[int, list[np.ndarray]]:
@@ -489,9 +575,7 @@ class RowChecker:
                 self._batch_shape_error(k, v, n, arrays)
             n = s[0]
             if v.dtype is not dtype:
-                if not self._castable_to(k, v.dtype):
-                    raise self._dtype_error(self._batch_op, self._fields[k], v.dtype)
-                self._check_range(self._batch_op, self._fields[k], v)
+                self._check_cast(self._batch_op, k, v)
             if not v.flags.c_contiguous:
                 raise SpecMismatchError(
                     f"{self._batch_op}(): field {name!r} is a non-contiguous array (strides "

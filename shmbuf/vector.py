@@ -8,7 +8,9 @@ one NumPy store over all lanes, in the same order a single-lane ``Writer`` uses.
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,13 +29,16 @@ class VectorWriter:
     """Writes one transition per environment per ``add`` into ``num_envs`` lanes.
 
     Get one with ``buffer.writer(num_envs=N)``. Concurrency as ``Writer``: it holds every one of
-    its lanes' writer leases, so it is the only process storing to them.
+    its lanes' writer leases, so it is the only process storing to them. It belongs to the
+    process that opened it: a forked child's copy is closed (its ``add`` raises ``ClosedError``).
 
     Example:
         >>> with buf.writer(num_envs=8) as w:
         ...     w.add(obs=obs, action=actions, reward=rewards)   # each [8, ...]
         ...     w.end_episode(terminated | truncated, truncated=truncated)
     """
+
+    _live: weakref.WeakSet[VectorWriter] = weakref.WeakSet()
 
     def __init__(self, buf: ReplayBuffer, writers: list[Writer]) -> None:
         self._buf = buf
@@ -70,11 +75,15 @@ class VectorWriter:
             else None
         )
         self._closed = False
+        self._closed_reason = "closed"
+        VectorWriter._live.add(self)
 
     # -- writing ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError(f"vector writer of lanes {self.lanes.tolist()} is closed")
+            raise ClosedError(
+                f"vector writer of lanes {self.lanes.tolist()} is closed ({self._closed_reason})"
+            )
 
     def _make_room(self, n: int) -> None:
         self._heartbeat_v[self.lanes] = time.time_ns()
@@ -197,13 +206,29 @@ class VectorWriter:
         """Release every lane (idempotent)."""
         if not self._closed:
             self._closed = True
-            # Drop every view of the segment, so the buffer can unmap it.
-            self._cols = []
-            self._stamps = self._meta = None  # type: ignore[assignment]
-            self._committed_v = self._reserved_v = None  # type: ignore[assignment]
-            self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
+            self._drop_views()
             for w in self._writers:
                 w.close()
+        VectorWriter._live.discard(self)
+
+    def _drop_views(self) -> None:
+        """Drop every view of the segment, so the buffer can unmap it."""
+        self._cols = []
+        self._stamps = self._meta = None  # type: ignore[assignment]
+        self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+        self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        """The parent keeps writing these lanes: a child's copy must never store to them (one
+        writer per lane is what the seqlock relies on). Its ``Writer``s close themselves."""
+        for vw in list(cls._live):
+            if not vw._closed:
+                vw._closed = True
+                vw._closed_reason = ("inherited by a forked child; open a writer in the child "
+                                     "instead")
+                vw._drop_views()
+        cls._live = weakref.WeakSet()
 
     def __enter__(self) -> VectorWriter:
         return self
@@ -213,3 +238,6 @@ class VectorWriter:
 
     def __repr__(self) -> str:
         return f"<VectorWriter lanes={self.lanes.tolist()}{' closed' if self._closed else ''}>"
+
+
+os.register_at_fork(after_in_child=VectorWriter._after_fork_in_child)

@@ -75,8 +75,11 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
         if room >= n:
             return min(room, max(n, ROOM_CHECK_EVERY)), gen
         if not buf._seg.probe(L.LOCK_LIMITER):
-            # The pool that set the limit died without lifting it: nobody samples any more.
-            return n, gen
+            # The pool that set the limit died without lifting it: nobody samples any more, so
+            # the limits are void, as if lifted. Grant a whole check interval (not just ``n``,
+            # which would send every later row through this probe); a pool that limits the
+            # buffer again bumps the generation, which writers notice on their next row.
+            return max(4 * n, ROOM_CHECK_EVERY), gen
         check_open()
         now = time.monotonic()
         if now >= deadline:

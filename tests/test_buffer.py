@@ -233,7 +233,7 @@ def test_closed_buffer_raises_closed_error_and_changes_nothing(wrapped):
         "column": lambda: h.column("obs"),
         "pickle": lambda: pickle.dumps(h),
     }
-    for what, call in calls.items():
+    for call in calls.values():
         with pytest.raises(shmbuf.ClosedError):
             call()
     assert snapshot(buf) == before

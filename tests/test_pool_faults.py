@@ -70,7 +70,7 @@ def test_worker_killed_mid_fill_is_replaced_and_learner_goes_on(buf, start_metho
             pid = pool.stats()["workers"][wid]["pid"]
 
             def filling() -> bool:
-                return any(ring.get(s, W_STATE) == FILLING and ring.get(s, W_OWNER) == wid
+                return any(ring.get(s, W_STATE) == FILLING and ring.get(s, W_OWNER) == wid  # noqa: B023
                            for s in range(ring.n_slots))
 
             assert _freeze_when(pid, filling), f"worker {wid} never seen mid-fill"
@@ -404,10 +404,10 @@ def test_close_from_another_thread_while_next_is_busy(n_workers, rounds):
             def learner() -> None:
                 try:
                     while True:
-                        batch = pool.next(timeout=30)
+                        batch = pool.next(timeout=30)  # noqa: B023 (this round's pool)
                         procs.assert_batch_ok(batch, 4)
                 except BaseException as e:  # noqa: BLE001 - reported to the test
-                    out.append(e)
+                    out.append(e)  # noqa: B023
 
             t = threading.Thread(target=learner, daemon=True)
             t.start()

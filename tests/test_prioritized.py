@@ -504,18 +504,29 @@ def test_worker_sigkilled_during_prioritized_sampling(start_method):
                     w.extend(procs.make_batch(1, np.arange(w.committed, w.committed + 4)))
                     time.sleep(0.002)
 
+        def take_batch() -> None:
+            batch = pool.next(timeout=30)
+            procs.assert_batch_ok(batch, 16)
+            pool.update_priorities(batch.indices, rng.exponential(1.0, 16))
+
         writer = threading.Thread(target=write, daemon=True)
         writer.start()
         try:
             killed = []
             for step in range(90):
-                batch = pool.next(timeout=30)
-                procs.assert_batch_ok(batch, 16)
-                pool.update_priorities(batch.indices, rng.exponential(1.0, 16))
+                take_batch()
                 if step in (20, 50):
                     pid = pool.stats()["workers"][step % 2]["pid"]
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
+                    # The learner sees a death only once the kernel has finished the process
+                    # (its exit sentinel fires), and a fast learner served by the live worker
+                    # can take many batches before that: sampling goes on until the worker is
+                    # replaced, instead of assuming that a fixed number of batches suffices.
+                    deadline = time.monotonic() + 30
+                    while pid in pool.worker_pids:
+                        assert time.monotonic() < deadline, f"worker {pid} was never replaced"
+                        take_batch()
             assert pool.stats()["restarts"] == 2
             assert not set(killed) & set(pool.worker_pids)
         finally:
@@ -612,7 +623,7 @@ def test_max_times_sampled_with_priorities_and_a_live_writer():
         counts: dict = {}
         rng = np.random.default_rng(2)
         with buf.writer(lane=0) as w:
-            for step in range(150):
+            for _ in range(150):
                 w.extend(procs.make_batch(0, np.arange(w.committed, w.committed + 5)))
                 try:
                     batch = pool.next(timeout=0.2)

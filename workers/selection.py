@@ -3,7 +3,9 @@
 ``max_times_sampled=k`` and queue mode need every draw counted exactly once, so the learner
 (the single writer of the counts, the priority table and the queue cursors) picks the rows and
 writes them into the staging slot; a worker only gathers them. Plain uniform and prioritized
-sampling need no such bookkeeping and stay entirely in the workers.
+sampling need no such bookkeeping and stay entirely in the workers. The pool asks for a batch
+only when ``min_size`` and ``samples_per_insert`` allow one (``SamplerPool._may_select``), as
+workers check before they draw.
 
 - ``CountedSelection``: draws from a ``PriorityTable`` (uniform: every live row 1.0), counts each
   row's deliveries, and retires a row (priority 0) when it reaches ``k``. A row is never

@@ -56,6 +56,8 @@ class _BufferSink:
         obs_paths = _leaf_paths(observation_space)
         self._obs = [(_name("obs", p), p) for p in obs_paths if _name("obs", p) in spec]
         self._next = [(_name("next_obs", p), p) for p in obs_paths if _name("next_obs", p) in spec]
+        if buffer.derived_next_obs:  # the spec has "obs" only; its writer takes next_obs too
+            self._next = [("next_obs", p) for name, p in self._obs if name == "obs"]
         self._act = [(_name("action", p), p) for p in _leaf_paths(action_space)]
         self._prev: dict[str, np.ndarray] = {}
         self.writer = buffer.writer(lane)  # last: nothing above changes shared state

@@ -53,7 +53,9 @@ class RecordEpisodes:
       one transition with the buffer's fields among ``obs``, ``next_obs``, ``action``,
       ``reward``, ``terminated``, ``truncated`` (Dict observations as ``obs/<key>``, the names of
       ``Spec.from_spaces``). Action, reward, terminated and truncated fields are required; the
-      observation fields are optional (leave them out to record without frames). At the end of
+      observation fields are optional (leave them out to record without frames); a
+      ``next_obs="derived"`` buffer (spec from ``Spec.from_spaces(..., next_obs=False)``) is
+      given each step's ``next_obs`` as its writer expects and stores it once. At the end of
       an episode it calls ``writer.end_episode(truncated=truncated and not terminated)``:
       termination wins when the env reports both. Rows are stored as they happen, so an
       episode cut short by ``reset()`` or ``close()`` keeps the env's flags on its last row
