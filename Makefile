@@ -4,17 +4,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo stress bench clean
+.PHONY: install test lint demo stress bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
 
 demo: install
 	$(BIN)/shmbuf demo
@@ -27,6 +30,7 @@ bench: install
 	$(BIN)/python scripts/bench_pool.py
 	$(BIN)/python scripts/bench_sequences.py
 	$(BIN)/python scripts/bench_prioritized.py
+	$(BIN)/python scripts/bench_gpu.py
 
 clean:
 	-test -x $(BIN)/shmbuf && $(BIN)/shmbuf gc

@@ -86,3 +86,10 @@ def start_method(request) -> str:
 def mp(start_method):
     """A multiprocess context for the parametrised start method."""
     return multiprocess.get_context(start_method)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the JAX tests last: once JAX has started its thread pools, every later ``fork()`` in
+    this process forks a multithreaded program (JAX warns that this can deadlock), and most of
+    the suite forks."""
+    items.sort(key=lambda item: item.get_closest_marker("jax") is not None)

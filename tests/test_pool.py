@@ -256,7 +256,7 @@ def test_torch_output_in_process():
          r"n_staging must be an int >= n_workers \+ 1 = 3.*got 2"),
         ({"n_workers": 0, "n_staging": 0},
          r"n_staging must be an int >= n_workers \+ 1 = 1.*got 0"),
-        ({"output": "jax"}, r"output must be 'numpy' or 'torch', got 'jax'"),
+        ({"output": "tensorflow"}, r"output must be 'numpy', 'torch' or 'jax', got 'tensorflow'"),
         ({"timeout": 0}, r"timeout must be > 0 seconds, got 0"),
         ({"timeout": -1}, r"timeout must be > 0 seconds, got -1"),
         ({"timeout": float("nan")}, r"timeout must be > 0 seconds, got nan"),

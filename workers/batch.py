@@ -17,22 +17,28 @@ class Batch(Mapping[str, Any]):
     slot is refilled, so using the batch through its methods raises ``ClosedError``. Arrays taken
     out of it earlier keep viewing the slot: ``copy()`` what must outlive the batch.
 
+    From a pool with ``device=``, fields and ``weights`` are device tensors (in buffers the pool
+    recycles once the learner's stream has passed the release), and ``indices``/``lanes`` are
+    host tensors.
+
     Attributes:
         indices: logical index of each row in its lane (``int64[B]``, or ``[B, T]`` sequences).
         lanes: lane of each row (``int64[B]``).
         weights: importance weights (``float32[B]``), all ones for uniform sampling.
+        slot: the staging slot (or, with ``device=``, the device buffer) it occupies.
     """
 
-    __slots__ = ("_data", "_indices", "_lanes", "_weights", "_release_fn", "_released", "slot",
-                 "generation")
+    __slots__ = ("_data", "_indices", "_lanes", "_weights", "_release_fn", "_to_fn", "_released",
+                 "slot", "generation")
 
     def __init__(self, data: dict[str, Any], indices: Any, lanes: Any, weights: Any,
-                 release_fn: Any, slot: int = -1, generation: int = 0) -> None:
+                 release_fn: Any, slot: int = -1, generation: int = 0, to_fn: Any = None) -> None:
         self._data = data
         self._indices = indices
         self._lanes = lanes
         self._weights = weights
         self._release_fn = release_fn
+        self._to_fn = to_fn
         self._released = False
         self.slot = slot
         self.generation = generation
@@ -93,6 +99,27 @@ class Batch(Mapping[str, Any]):
         out["weights"] = _copy(self._weights)
         return out
 
+    def to(self, device: Any) -> dict[str, Any]:
+        """Copies on ``device`` (e.g. "cuda") that the caller owns: every field and ``weights``
+        on the device, ``indices`` and ``lanes`` on the host (for ``update_priorities``).
+
+        The copies are asynchronous from a page-locked ring and ordered on the current CUDA
+        stream, so kernels queued after this call see the data without a synchronize. The pool
+        records an event after them and refills the slot only once it has passed: releasing
+        the batch (or taking the next one) right away is safe. Needs ``output="torch"``.
+
+        Raises:
+            ClosedError: the batch was released.
+            TypeError: the pool delivers NumPy arrays (``output="numpy"``).
+        """
+        self._check()
+        if self._to_fn is None:
+            raise TypeError(
+                "Batch.to(device) needs a pool with output='torch' (host batches); with "
+                "device= the batch is on its device already"
+            )
+        return self._to_fn(self, device)
+
     def release(self) -> None:
         """Hand the slot back to the pool now (idempotent)."""
         if not self._released:
@@ -104,7 +131,7 @@ class Batch(Mapping[str, Any]):
     def _invalidate(self) -> None:
         # Drop the views too, so a released batch does not keep the staging ring mapped.
         self._released = True
-        self._release_fn = None
+        self._release_fn = self._to_fn = None
         self._data = {}
         self._indices = self._lanes = self._weights = None
 
@@ -117,6 +144,8 @@ class Batch(Mapping[str, Any]):
 
 def _copy(v: Any) -> Any:
     if isinstance(v, np.ndarray):
+        return v.copy()
+    if hasattr(v, "block_until_ready"):  # jax.Array (whose clone() aliases the buffer)
         return v.copy()
     clone = getattr(v, "clone", None)  # torch.Tensor
     return clone() if clone is not None else np.array(v)

@@ -37,6 +37,7 @@ from shmbuf.sampling.plan import Plan
 
 from .batch import Batch
 from .channel import Channel
+from .device import DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
 from .sampler_proc import (
     OP_ERROR,
     OP_FILL,
@@ -84,6 +85,9 @@ def _close_parent_only_in_child() -> None:
 
 os.register_at_fork(after_in_child=_close_parent_only_in_child)
 
+# Staging rings a device may still be reading when their pool closed: kept mapped until exit.
+_IN_FLIGHT_RINGS: list[Any] = []
+
 
 class _WorkerHandle:
     """The learner's record of one worker slot (a worker id survives restarts)."""
@@ -125,10 +129,27 @@ class SamplerPool:
         samples_per_insert: ``(ratio, tolerance)``, Reverb's SampleToInsertRatio: samplers wait
             when they run ahead, and writers' ``add``/``extend`` wait when actors do.
         timeout: default seconds ``next()`` waits before raising ``Timeout``.
-        output: "numpy" (views) or "torch" (``torch.from_numpy`` views, no copy).
+        output: "numpy" (views), "torch" (``torch.from_numpy`` views, no copy) or "jax"
+            (zero-copy DLPack imports with workers, copies in-process). A slot is refilled only
+            once JAX has let go of its arrays: the learner dropped them and every computation
+            dispatched on them (``jax.device_put`` included) has completed, so async dispatch
+            needs no ``block_until_ready``; arrays kept past the next batch stay valid and keep
+            their slot out of the ring until dropped.
         ordered: deliver batches in fixed round-robin worker order (reproducible with a seed).
-        pin_memory: with output="torch" and CUDA, page-lock the staging ring so
-            ``tensor.to("cuda", non_blocking=True)`` is asynchronous.
+        pin_memory: with output="torch" and CUDA, page-lock the staging ring so host-to-device
+            copies are asynchronous. A slot is then refilled only after an event recorded on the
+            current CUDA stream at its release has passed, so ``batch["obs"].to("cuda",
+            non_blocking=True)`` on the current stream is safe without a synchronize; copies
+            issued on other streams are the caller's to synchronize (or use ``batch.to()``).
+        device: deliver batches on this torch device ("cuda", "cuda:1", or "cpu"): the pool
+            copies each ready slot from the page-locked ring on its own CUDA stream, and the
+            slot goes back to the workers only once that copy has completed (an event, no
+            synchronize). Fields and ``weights`` arrive as device tensors that the learner's
+            current stream is made to wait for; ``indices`` and ``lanes`` stay on the host
+            (for ``update_priorities``). Device buffers are recycled only after the learner's
+            stream has passed its release point. Like host batches, a device batch is valid
+            until the next one is taken.
+        device_prefetch: batches copied to the device ahead of the learner (with ``device``).
         max_restarts_per_minute: restart budget for dead workers (a rate, not a total).
         sampler: "uniform"; "prioritized" (proportional to priorities from a sum tree in
             shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
@@ -177,6 +198,8 @@ class SamplerPool:
         beta: Any = 0.4,
         eps: float = 1e-6,
         max_times_sampled: int | None = None,
+        device: Any = None,
+        device_prefetch: int = 2,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -194,7 +217,19 @@ class SamplerPool:
         self._select: Any = None
         self._opts = dict(sampler=sampler, alpha=alpha, beta=beta, eps=eps,
                           max_times_sampled=max_times_sampled)
+        self._fences = SlotFences()  # staging slots still read by device copies
+        self._backend: Any = None  # device runtime: for device=, and pinned host batches
+        self._stage: DeviceStage | None = None
+        self._backends: dict[str, Any] = {}  # Batch.to(device) targets
+        self._jax: JaxViews | None = None  # output="jax"
+        self._jax_fence: Any = None  # of the held batch's arrays
         try:
+            if device is not None:  # fails here, before any process or segment exists
+                self._backend = make_backend(device)
+                self._device_prefetch = _positive_int("device_prefetch", device_prefetch)
+                if output not in ("numpy", "torch"):
+                    raise ValueError(f"device= delivers torch tensors; drop output={output!r}")
+                output = "torch"
             if plan is None:
                 plan = Plan(**plan_kwargs)
             elif plan_kwargs:
@@ -226,8 +261,8 @@ class SamplerPool:
                 f"worker plus the one the learner holds), got {n_staging!r}"
             )
         self.n_staging = n_staging
-        if output not in ("numpy", "torch"):
-            raise ValueError(f"output must be 'numpy' or 'torch', got {output!r}")
+        if output not in ("numpy", "torch", "jax"):
+            raise ValueError(f"output must be 'numpy', 'torch' or 'jax', got {output!r}")
         self.output = output
         self.timeout = _seconds("timeout", timeout)
         self.ordered = bool(ordered)
@@ -400,9 +435,11 @@ class SamplerPool:
                                            WEIGHTS: self._local_w})]
         else:
             slots = [self._ring.slot(s) for s in range(self.n_staging)]
-        if self.output == "numpy":
+        if self.output in ("numpy", "jax"):
             if pin_memory:
                 warnings.warn("pin_memory=True only applies to output='torch'", stacklevel=3)
+            if self.output == "jax":
+                self._jax = JaxViews()
             return [dict(s) for s in slots]
         try:
             import torch
@@ -410,8 +447,16 @@ class SamplerPool:
             raise ImportError(
                 "output='torch' needs PyTorch: pip install 'shmbuf[torch]' (or torch)"
             ) from None
-        if pin_memory:
+        if self._backend is not None:  # device=: pinned staging, a ring of device buffers
+            if getattr(self._backend, "cuda", False):
+                self._pin(torch)
+            arrays = [(n, tuple(slots[0][n].shape), slots[0][n].dtype)
+                      for n in [*self._out_fields, WEIGHTS]]
+            self._stage = DeviceStage(self._backend, arrays, self._device_prefetch)
+        elif pin_memory:
             self._pin(torch)
+            if self._pinned is not None:  # releases are fenced on the current CUDA stream
+                self._backend = make_backend("cuda")
         return [{k: torch.from_numpy(v) for k, v in s.items()} for s in slots]
 
     def _pin(self, torch: Any) -> None:
@@ -420,7 +465,7 @@ class SamplerPool:
                           stacklevel=4)
             return
         if self._ring is None:
-            return  # in-process batches live in private memory; nothing shared to pin
+            return  # in-process batches live in private memory; copies from it are synchronous
         offset, length = self._ring.slot_span()
         ptr = np.frombuffer(self._ring.seg.buf, np.uint8, count=length, offset=offset).ctypes.data
         err = torch.cuda.cudart().cudaHostRegister(ptr, length, 0)
@@ -462,7 +507,8 @@ class SamplerPool:
         if self._select is not None:
             rows = self._slot_rows.get(slot)
             if rows is None:
-                rows = self._select.select(self.batch_size, self._sel_rng)
+                rows = (self._select.select(self.batch_size, self._sel_rng)
+                        if self._may_select() else None)
                 if rows is None:  # nothing to select now: retried from next()
                     ring.set(slot, W_STATE, FREE)
                     ring.set(slot, W_OWNER, -1)
@@ -489,6 +535,15 @@ class SamplerPool:
             w.chan.send(op, slot, self._gen[slot])
         except OSError:
             pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def _may_select(self) -> bool:
+        """May the learner select a batch now? ``min_size`` and ``samples_per_insert`` hold back
+        learner-selected rows (``max_times_sampled``, the queue) as they hold back workers'
+        own draws. Batches selected but not yet gathered count as sampled already: their
+        workers add them to the limiter's sample count only once they are gathered."""
+        limiter = self._buf._limiter if self._limit is not None else None
+        selected = sum(len(w.assigned) for w in self._workers)
+        return can_sample(self._buf, limiter, self.min_size, self.batch_size * (1 + selected))
 
     def _retry_waiting(self) -> None:
         for slot in self._waiting[:]:
@@ -614,9 +669,15 @@ class SamplerPool:
         while True:
             if self._failure is not None:
                 raise self._failure
-            slot = self._pop_ready()
-            if slot is not None:
-                return self._hold(slot)
+            self._reap_fences()
+            if self._stage is not None:
+                self._submit_ready()
+                if len(self._stage):
+                    return self._hold_device()
+            else:
+                slot = self._pop_ready()
+                if slot is not None:
+                    return self._hold(slot)
             if self._waiting:
                 self._retry_waiting()
             if self._table is not None and self._select is None:
@@ -625,7 +686,9 @@ class SamplerPool:
             if remaining <= 0:
                 raise Timeout(f"no batch within {timeout}s: {self._waiting_for()}")
             quick = self._waiting or self._table is not None
-            self._poll(min(remaining, 0.002 if quick else POLL_SLICE))
+            # Slots held back by copies in flight come free within microseconds to milliseconds.
+            pause = 0.0002 if len(self._fences) else 0.002 if quick else POLL_SLICE
+            self._poll(min(remaining, pause))
 
     def _pop_ready(self) -> int | None:
         if self.ordered:  # the oldest assignment first, once it is ready
@@ -663,20 +726,30 @@ class SamplerPool:
         for w in exits:
             self._on_exit(w)
 
-    def _hold(self, slot: int) -> Batch:
+    def _take_slot(self, slot: int) -> dict[str, Any]:
+        """The learner takes a ready slot: mark it HELD, fill in its importance weights."""
         if self._ring is not None:
             self._ring.set(slot, W_STATE, HELD)
         if self._table is not None:  # importance weights with this batch's beta
             nv = self._ring.slot(slot) if self._ring is not None else self._local_arrays()
             nv[WEIGHTS][...] = importance_weights(nv[PROBS], float(nv[PMIN][0]),
                                                   self._beta(self._batches))
-        v = self._views[slot]
+        return self._views[slot]
+
+    def _hold(self, slot: int) -> Batch:
+        v = self._take_slot(slot)
+        if self._jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
+            v, fence = self._jax.wrap({**{n: v[n] for n in self._out_fields},
+                                      INDICES: v[INDICES], LANES: v[LANES], WEIGHTS: v[WEIGHTS]},
+                                     copy=self._ring is None)
+            self._jax_fence = fence
         batch = Batch(
             {n: v[n] for n in self._out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
             self._release_batch, slot, self._gen[slot],
+            to_fn=self._batch_to if self.output == "torch" else None,
         )
         if self._table is not None:
-            self._recent.append((id(v[INDICES]), np.array(v[LANES])))
+            self._recent.append((v[INDICES], np.array(v[LANES])))
         self._held = batch
         return batch
 
@@ -684,10 +757,81 @@ class SamplerPool:
         if batch is not self._held:
             return
         self._held = None
-        self._slot_rows.pop(batch.slot, None)
+        if self._pinned is not None and self._backend is not None:
+            # A copy the learner issued on its current stream may still be reading the slot.
+            self._fences.add(batch.slot, self._backend.record_current())
+        self._release_jax(batch.slot)
+        self._slot_done(batch.slot)
+
+    def _release_jax(self, slot: int) -> None:
+        """The slot of a released JAX batch waits until JAX has let go of its arrays."""
+        if self._jax_fence is not None:
+            self._fences.add(slot, self._jax_fence)
+            self._jax_fence = None
+
+    def _slot_done(self, slot: int) -> None:
+        """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
+        self._slot_rows.pop(slot, None)
         if self._closed or self._ring is None or self._failure is not None:
             return
-        self._assign(self._workers[batch.slot % self.n_workers], batch.slot)
+        if not self._fences.busy(slot):
+            self._assign(self._workers[slot % self.n_workers], slot)
+
+    def _reap_fences(self) -> None:
+        """Hand back to the workers every slot whose device copies have completed."""
+        if not len(self._fences):
+            return
+        for slot in self._fences.completed():
+            if not self._closed and self._ring is not None and self._failure is None:
+                self._assign(self._workers[slot % self.n_workers], slot)
+
+    def _batch_to(self, batch: Batch, device: Any) -> dict[str, Any]:
+        """``Batch.to(device)``: fenced copies of a host batch (see ``Batch.to``)."""
+        backend = self._backend
+        if backend is None or str(backend.device) != str(device):
+            backend = self._backends.get(str(device))
+            if backend is None:
+                backend = self._backends[str(device)] = make_backend(device)
+        arrays = {n: batch[n] for n in batch}
+        arrays.update(indices=batch.indices, lanes=batch.lanes, weights=batch.weights)
+        slot = batch.slot
+        return fenced_copy(backend, arrays, lambda fence: self._fences.add(slot, fence),
+                           host_keys=("indices", "lanes"))
+
+    # -- device delivery ----------------------------------------------------------------------
+    def _submit_ready(self) -> None:
+        """Copy ready slots to the device while device buffers are free; each slot goes back to
+        the workers once its copy has completed."""
+        stage = self._stage
+        while stage.can_submit():
+            slot = self._pop_ready()
+            if slot is None:
+                return
+            self._submit_slot(slot)
+            self._slot_done(slot)
+
+    def _submit_slot(self, slot: int) -> None:
+        """Enqueue the copy of ``slot`` to a device buffer; fence the slot with it."""
+        v = self._take_slot(slot)
+        host = {n: v[n] for n in self._out_fields}
+        host[WEIGHTS] = v[WEIGHTS]
+        tag = (self._gen[slot], v[INDICES].clone(), v[LANES].clone())
+        self._fences.add(slot, self._stage.submit(host, tag))
+
+    def _hold_device(self) -> Batch:
+        d, arrays, (gen, indices, lanes) = self._stage.take()
+        batch = Batch({n: arrays[n] for n in self._out_fields}, indices, lanes, arrays[WEIGHTS],
+                      self._release_device_batch, d, gen)
+        if self._table is not None:
+            self._recent.append((indices, lanes.numpy()))
+        self._held = batch
+        return batch
+
+    def _release_device_batch(self, batch: Batch) -> None:
+        if batch is not self._held:
+            return
+        self._held = None
+        self._stage.give_back(batch.slot)  # reused once the learner's stream passes here
 
     def _next_in_process(self, timeout: float) -> Batch:
         buf = self._buf
@@ -695,11 +839,13 @@ class SamplerPool:
         pause = 5e-5
         limiter = buf._limiter if self._limit is not None else None
         target = self._local if self._transform is None else self._local_scratch
+        self._wait_local_copies(deadline, timeout)
         out = {n: target[n] for n, _, _ in self._compiled.outputs}
         while True:
             rows = None
             if self._select is not None:
-                rows = self._select.select(self.batch_size, self._sel_rng)
+                rows = (self._select.select(self.batch_size, self._sel_rng)
+                        if self._may_select() else None)
                 if rows is not None:
                     if buf._gather(rows[0], rows[1], out).all():
                         self._select.gathered(0)  # in our memory now: writers may reuse slots
@@ -735,7 +881,24 @@ class SamplerPool:
             q = buf._q
             c = limiter.counter_index(0)
             q[c] = q[c] + self.batch_size
+        if self._stage is not None:
+            self._submit_slot(0)
+            return self._hold_device()
         return self._hold(0)
+
+    def _wait_local_copies(self, deadline: float, timeout: float) -> None:
+        """In-process batches reuse one set of arrays: gather again only after the copies that
+        read the last batch (``device=``, ``Batch.to``) have completed."""
+        pause = 5e-5
+        while len(self._fences):
+            self._fences.completed()
+            if not len(self._fences):
+                return
+            if time.monotonic() >= deadline:
+                raise Timeout(f"no batch within {timeout}s: device copies of the previous batch "
+                              f"have not completed")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
 
     def _local_arrays(self) -> dict[str, np.ndarray]:
         return {WEIGHTS: self._local_w, PROBS: self._local_probs, PMIN: self._local_pmin}
@@ -765,13 +928,15 @@ class SamplerPool:
             else:
                 # Newest first: a staging slot's indices array is the same object for every
                 # batch that slot carries, and only its latest batch's lanes are the right ones.
-                lanes = next((ln for ref, ln in reversed(self._recent) if ref == id(indices)),
+                lanes = next((ln for ref, ln in reversed(self._recent) if ref is indices),
                              None)
                 if lanes is None:
                     raise ValueError(
                         "pass lanes=batch.lanes: the buffer has several lanes and these indices "
                         "are not the indices array of a recent batch"
                     )
+        indices, priorities = _host_array(indices), _host_array(priorities)
+        lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
         # Enter rows committed since the last batch first: an update for a row overwritten
         # since it was sampled is then recognised (by its slot's generation) and dropped.
         if self._select is not None:  # max_times_sampled: a retired row stays retired
@@ -795,6 +960,10 @@ class SamplerPool:
                     return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
                             f"{samples}, samples_per_insert {limit.samples_per_insert}): actors "
                             f"are not inserting fast enough")
+        if len(self._fences) == self.n_staging:
+            return (f"all {self.n_staging} staging slots are still read by device copies or "
+                    f"by arrays of earlier batches (output={self.output!r}): drop arrays of old "
+                    f"batches (copy what you keep), or raise n_staging")
         alive = sum(1 for w in self._workers if w.proc is not None and w.proc.is_alive())
         return f"{alive} of {self.n_workers} workers alive, none has a batch ready"
 
@@ -849,6 +1018,7 @@ class SamplerPool:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (gracefully, then firmly), lift the rate limit and free the staging
         ring. Wakes a thread blocked in ``next()``. Idempotent."""
+        timeout = _timeout("timeout", timeout)
         if self._closed:
             return
         self._closed = True
@@ -861,6 +1031,7 @@ class SamplerPool:
 
     def _teardown(self, timeout: float) -> None:
         if getattr(self, "_held", None) is not None:
+            self._release_jax(self._held.slot)
             self._held._invalidate()
             self._held = None
         for w in self._workers:
@@ -887,6 +1058,22 @@ class SamplerPool:
                 self._buf._limiter.deactivate()
             self._limiter_lease.close()
             self._limiter_lease = None
+        # Device copies may still read the ring: unmapping (or unpinning) it under a DMA would
+        # hand the device freed memory. Wait for them, within the timeout.
+        settled = self._fences.drain(max(0.1, deadline - time.monotonic()))
+        if self._stage is not None:
+            settled = self._stage.drain(max(0.1, deadline - time.monotonic())) and settled
+            self._stage.close()
+            self._stage = None
+        if not settled and self._ring is not None:
+            warnings.warn(
+                f"device copies from staging ring {self._ring.name!r} were still in flight after "
+                f"{timeout}s; its name is removed but its memory stays mapped (and page-locked) "
+                f"until this process exits", ResourceWarning, stacklevel=3)
+            _IN_FLIGHT_RINGS.append(self._ring)
+            self._ring.seg.unlink()
+            self._ring = None
+            self._pinned = None
         if self._pinned is not None:
             torch, ptr = self._pinned
             torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -982,6 +1169,13 @@ def _beta_schedule(beta: Any) -> Any:
     if not 0 <= b <= 1:
         raise ValueError(f"beta must be in [0, 1] (or a schedule), got {beta!r}")
     return lambda step: b
+
+
+def _host_array(value: Any) -> Any:
+    """NumPy for priority updates: torch tensors (also on a device) come to the host."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        return value.detach().cpu().numpy()
+    return value
 
 
 def _callable_name(fn: Any) -> str:
