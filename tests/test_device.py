@@ -134,9 +134,6 @@ class FakeBackend:
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return np.zeros(shape, dtype)
 
-    def host(self, array: np.ndarray) -> np.ndarray:
-        return array
-
     def copy(self, dst: Any, src: Any) -> None:
         self.dev.enqueue(self.dev.copy, "op", lambda: np.copyto(dst, np.asarray(src)))
 

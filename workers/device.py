@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shmbuf.errors import DeviceUnavailableError, Timeout
+from shmbuf.errors import DeviceUnavailableError
 
 
 class Fence(Protocol):
@@ -89,8 +89,6 @@ class Backend(Protocol):
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> Any: ...
 
-    def host(self, array: np.ndarray) -> Any: ...
-
     def copy(self, dst: Any, src: Any) -> None:
         """Enqueue ``dst <- src`` on the copy stream (asynchronous where the device is)."""
 
@@ -141,9 +139,6 @@ class TorchBackend:
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         t = self.torch
         return t.empty(shape, dtype=_torch_dtype(t, dtype), device=self.device)
-
-    def host(self, array: np.ndarray) -> Any:
-        return self.torch.from_numpy(array)
 
     def copy(self, dst: Any, src: Any) -> None:
         if self.cuda:
@@ -301,17 +296,6 @@ def fenced_copy(backend: Backend, arrays: dict[str, Any], on_fence: Callable[[Fe
         out[name] = value.clone() if name in host_keys else backend.copy_now(value)
     on_fence(backend.record_current())
     return out
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``pred`` with a growing pause; raise ``Timeout`` naming ``what`` past ``timeout``."""
-    deadline = time.monotonic() + timeout
-    pause = 5e-5
-    while not pred():
-        if time.monotonic() >= deadline:
-            raise Timeout(f"{what} did not complete within {timeout}s")
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-3)
 
 
 class _ViewsFreed:
