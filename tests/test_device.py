@@ -50,10 +50,6 @@ class FakeEvent:
     def query(self) -> bool:
         return self.stream.executed >= self.pos
 
-    def synchronize(self) -> None:
-        while not self.query():
-            time.sleep(1e-4)
-
 
 class FakeDevice:
     """Runs both streams in a background thread; ``lazy`` names a stream that runs late."""
@@ -209,9 +205,6 @@ class _Flag:
 
     def query(self) -> bool:
         return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
 
 
 def test_slot_fences_free_a_slot_only_when_every_fence_passed():

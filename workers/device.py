@@ -34,8 +34,6 @@ class Fence(Protocol):
 
     def query(self) -> bool: ...
 
-    def synchronize(self) -> None: ...
-
 
 class SlotFences:
     """Copies still reading each staging slot; a slot is reusable once all its fences passed.
@@ -68,7 +66,7 @@ class SlotFences:
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every pending copy (teardown); True if all completed.
 
-        Polls ``query()`` rather than calling ``synchronize()``, so a hung device cannot hang
+        Polls ``query()`` (fences have no blocking wait here), so a hung device cannot hang
         close(); what is still pending after the timeout is reported by the caller.
         """
         deadline = time.monotonic() + timeout
@@ -113,9 +111,6 @@ class _Done:
 
     def query(self) -> bool:
         return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 DONE = _Done()
@@ -314,10 +309,6 @@ class _ViewsFreed:
 
     def query(self) -> bool:
         return self.alive <= 0
-
-    def synchronize(self) -> None:
-        while self.alive > 0:
-            time.sleep(1e-4)
 
 
 class JaxViews:
