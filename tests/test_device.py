@@ -336,8 +336,11 @@ def test_pinned_release_fences_the_users_own_async_copy(buf, fake, monkeypatch):
     (no fence) shows the race."""
     be = fake("current")
 
+    pending_at_unpin: list[int] = []
+
     class _Cudart:
         def cudaHostUnregister(self, ptr: int) -> int:
+            pending_at_unpin.append(be.dev.current.enqueued - be.dev.current.executed)
             return 0
 
     class _Torch:
@@ -358,10 +361,13 @@ def test_pinned_release_fences_the_users_own_async_copy(buf, fake, monkeypatch):
                 batch = pool.next(timeout=30)
                 mine = {k: be.copy_now(batch[k]) for k in procs.FIELDS}  # the user's own copies
                 _checker(be, mine, batch.lanes.numpy().copy(), batch.indices.numpy().copy(), bad)
-            be.dev.idle()
+            # close() with the last batch held and its copies queued: the ring is unpinned
+            # (and unmapped) only after they ran.
+        be.dev.idle()
         return sum(bad)
 
     assert run() == 0
+    assert pending_at_unpin == [0]
     monkeypatch.setattr(SlotFences, "add", lambda self, slot, fence: None)
     assert run() > 0
 

@@ -145,3 +145,40 @@ def test_jax_in_process_and_priority_updates(buf):
             results.append(_bad_rows(batch["frame"], batch["index"], _slow(float(k % 3))))
             assert pool.update_priorities(batch.indices, jnp.full((B,), 2.0)) > 0
         assert sum(int(r) for r in results) == 0
+
+
+def test_prioritized_with_x64_indices_do_not_hold_their_slots(buf):
+    """With ``jax_enable_x64`` int64 indices would import without a copy; the pool keeps recent
+    ``batch.indices`` for ``update_priorities``, so they must be copies or every slot stays
+    fenced (it raised Timeout after n_staging batches, and close() leaked the ring)."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=3, seed=0, output="jax",
+                         sampler="prioritized", start_method="forkserver") as pool:
+            for _ in range(12):
+                batch = pool.next(timeout=10)
+                assert batch.indices.dtype == jnp.int64
+                pool.update_priorities(batch.indices, jnp.full((B,), 2.0))
+            t0 = time.monotonic()
+        assert time.monotonic() - t0 < 2.0  # close() did not wait for fenced slots
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_ordered_delivery_keeps_its_order_when_slots_come_back_late(buf):
+    """A slot held back by a kept array re-enters the ring in its turn, so a seeded ordered run
+    delivers the same rows whether or not the learner keeps arrays for a while."""
+    def run(keep: bool) -> list[list[int]]:
+        seen, kept = [], []
+        with SamplerPool(buf, batch_size=B, n_workers=2, seed=7, ordered=True, output="jax",
+                         start_method="forkserver") as pool:
+            for k in range(14):
+                batch = pool.next(timeout=30)
+                seen.append(np.asarray(batch["index"]).tolist())
+                if keep and k in (2, 3):
+                    kept.append(batch["frame"])
+                if k == 7:
+                    kept.clear()
+        return seen
+
+    assert run(keep=True) == run(keep=False)

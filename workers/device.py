@@ -38,14 +38,17 @@ class Fence(Protocol):
 class SlotFences:
     """Copies still reading each staging slot; a slot is reusable once all its fences passed.
 
-    Slots come back in the order they were fenced, so ordered delivery keeps its order.
+    ``completed(in_order=True)`` hands slots back only in the order they were fenced (a slot
+    whose fences passed waits behind an earlier one still pending), which ordered delivery
+    needs; fences that have always passed (``DONE``) are not kept at all.
     """
 
     def __init__(self) -> None:
         self._pending: collections.OrderedDict[int, list[Fence]] = collections.OrderedDict()
 
     def add(self, slot: int, fence: Fence) -> None:
-        self._pending.setdefault(slot, []).append(fence)
+        if fence is not DONE:
+            self._pending.setdefault(slot, []).append(fence)
 
     def busy(self, slot: int) -> bool:
         return slot in self._pending
@@ -53,12 +56,15 @@ class SlotFences:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def completed(self) -> list[int]:
-        """Slots whose every fence has passed (removed from the pending set), oldest first."""
+    def completed(self, in_order: bool = False) -> list[int]:
+        """Slots whose every fence has passed (removed from the pending set), oldest first;
+        with ``in_order``, only those fenced before the oldest slot still pending."""
         done = []
         for slot, fences in self._pending.items():
             if all(f.query() for f in fences):
                 done.append(slot)
+            elif in_order:
+                break
         for slot in done:
             del self._pending[slot]
         return done
@@ -246,10 +252,14 @@ class DeviceStage:
         """Copy ``host`` (name -> host tensor, all of the buffer's arrays) into a free buffer."""
         d = self._free.popleft()
         be = self.backend
-        be.copy_waits_for(self._reuse[d])
-        dst = self._bufs[d]
-        for name, src in host.items():
-            be.copy(dst[name], src)
+        try:
+            be.copy_waits_for(self._reuse[d])
+            dst = self._bufs[d]
+            for name, src in host.items():
+                be.copy(dst[name], src)
+        except BaseException:
+            self._free.appendleft(d)  # the caller fences the source with record_copy()
+            raise
         fence = be.record_copy()
         self._inflight.append((d, fence, tag))
         return fence
@@ -287,9 +297,11 @@ def fenced_copy(backend: Backend, arrays: dict[str, Any], on_fence: Callable[[Fe
     are host-side, and a device copy would cost a synchronize to bring back).
     """
     out = {}
-    for name, value in arrays.items():
-        out[name] = value.clone() if name in host_keys else backend.copy_now(value)
-    on_fence(backend.record_current())
+    try:
+        for name, value in arrays.items():
+            out[name] = value.clone() if name in host_keys else backend.copy_now(value)
+    finally:  # copies enqueued before a failure still read the slot
+        on_fence(backend.record_current())
     return out
 
 
@@ -330,9 +342,10 @@ class JaxViews:
             raise ImportError("output='jax' needs JAX: pip install jax") from None
         self.jax = jax
 
-    def wrap(self, arrays: dict[str, np.ndarray], copy: bool = False
-             ) -> tuple[dict[str, Any], Fence | None]:
-        """JAX arrays of ``arrays`` and the fence of the memory they alias (None if copied)."""
+    def wrap(self, arrays: dict[str, np.ndarray], copy: bool = False,
+             host_keys: tuple[str, ...] = ()) -> tuple[dict[str, Any], Fence | None]:
+        """JAX arrays of ``arrays`` and the fence of the memory they alias (None if copied);
+        ``host_keys`` are always copied (small arrays the pool itself keeps referring to)."""
         import weakref
 
         if copy:  # private memory that is reused at once (in-process pools): JAX gets copies
@@ -340,6 +353,10 @@ class JaxViews:
         fence = _ViewsFreed(len(arrays))
         out = {}
         for name, arr in arrays.items():
+            if name in host_keys:  # kept by the pool (update_priorities), so never aliased
+                fence._freed()
+                out[name] = self.jax.numpy.array(arr)
+                continue
             view = arr[...]  # a fresh object per batch, so its death is this batch's fence
             weakref.finalize(view, fence._freed)
             out[name] = self.jax.dlpack.from_dlpack(view)

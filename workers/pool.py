@@ -317,7 +317,7 @@ class SamplerPool:
         self._slot_rows: dict[int, Any] = {}  # learner-selected rows of each assigned slot
         self._waiting: list[int] = []  # slots with no rows to select yet
         self._sel_rng = np.random.default_rng(self._seed.spawn(1)[0])
-        self._recent: collections.deque[tuple[int, np.ndarray]] = collections.deque(maxlen=8)
+        self._recent: collections.deque[tuple[Any, np.ndarray]] = collections.deque(maxlen=8)
         self._views = self._make_views(pin_memory)
         self._ready: collections.deque[tuple[int, int]] = collections.deque()  # (wid, slot)
         self._order: collections.deque[int] = collections.deque()  # slots in assignment order
@@ -741,7 +741,7 @@ class SamplerPool:
         if self._jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
             v, fence = self._jax.wrap({**{n: v[n] for n in self._out_fields},
                                       INDICES: v[INDICES], LANES: v[LANES], WEIGHTS: v[WEIGHTS]},
-                                     copy=self._ring is None)
+                                     copy=self._ring is None, host_keys=(INDICES, LANES))
             self._jax_fence = fence
         batch = Batch(
             {n: v[n] for n in self._out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
@@ -781,7 +781,7 @@ class SamplerPool:
         """Hand back to the workers every slot whose device copies have completed."""
         if not len(self._fences):
             return
-        for slot in self._fences.completed():
+        for slot in self._fences.completed(in_order=self.ordered):
             if not self._closed and self._ring is not None and self._failure is None:
                 self._assign(self._workers[slot % self.n_workers], slot)
 
@@ -816,7 +816,14 @@ class SamplerPool:
         host = {n: v[n] for n in self._out_fields}
         host[WEIGHTS] = v[WEIGHTS]
         tag = (self._gen[slot], v[INDICES].clone(), v[LANES].clone())
-        self._fences.add(slot, self._stage.submit(host, tag))
+        try:
+            self._fences.add(slot, self._stage.submit(host, tag))
+        except BaseException:
+            try:  # copies enqueued before the failure may still read the slot
+                self._fences.add(slot, self._stage.backend.record_copy())
+            finally:
+                self._slot_done(slot)
+            raise
 
     def _hold_device(self) -> Batch:
         d, arrays, (gen, indices, lanes) = self._stage.take()
@@ -1031,9 +1038,14 @@ class SamplerPool:
 
     def _teardown(self, timeout: float) -> None:
         if getattr(self, "_held", None) is not None:
+            if self._pinned is not None and self._backend is not None and self._stage is None:
+                # The learner's own async copies of the held batch: wait for them below.
+                self._fences.add(self._held.slot, self._backend.record_current())
             self._release_jax(self._held.slot)
             self._held._invalidate()
             self._held = None
+        if getattr(self, "_recent", None):
+            self._recent.clear()  # (JAX) arrays of recent batches may fence their slots
         for w in self._workers:
             if w.chan is not None and not w.chan.closed:
                 try:
