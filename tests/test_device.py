@@ -60,6 +60,7 @@ class FakeDevice:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.failed: list[BaseException] = []
+        self.paused = threading.Event()  # a device busy with other work: nothing executes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run if thread else self._stop.wait,
                                         daemon=True)
@@ -97,6 +98,9 @@ class FakeDevice:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.paused.is_set():
+                time.sleep(1e-3)
+                continue
             lazy = self.copy if self.lazy == "copy" else self.current
             eager = self.current if lazy is self.copy else self.copy
             while self._step(eager):
@@ -361,8 +365,10 @@ def test_pinned_release_fences_the_users_own_async_copy(buf, fake, monkeypatch):
                 batch = pool.next(timeout=30)
                 mine = {k: be.copy_now(batch[k]) for k in procs.FIELDS}  # the user's own copies
                 _checker(be, mine, batch.lanes.numpy().copy(), batch.indices.numpy().copy(), bad)
-            # close() with the last batch held and its copies queued: the ring is unpinned
-            # (and unmapped) only after they ran.
+            # close() with the last batch held and its copies queued behind a busy device (for
+            # 1 s): the ring is unpinned (and unmapped) only after they ran.
+            be.dev.paused.set()
+            threading.Timer(1.0, be.dev.paused.clear).start()
         be.dev.idle()
         return sum(bad)
 
