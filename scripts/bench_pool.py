@@ -10,13 +10,15 @@ In one run, on the same buffers (ratios are measured side by side; this machine 
      fast as it can; both rates.
 
     python scripts/bench_pool.py [--quick] [--json out.json] [--plot bench-out/pool_scaling.png]
+
+Options shared with the other benchmarks (--quick, --rounds, --seconds, --json, --check) and the
+timing loops come from ``benchlib``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -30,7 +32,7 @@ try:
 except ModuleNotFoundError:  # imported as scripts.bench_pool or by path: benchlib is beside it
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import benchlib
-from benchlib import busy, random_rows  # part of this module's interface: tools import them
+from benchlib import busy, calls_for, median_seconds, random_rows, rate_for
 from shmbuf import ReplayBuffer, Spec
 from workers import ActorContext, ActorGroup, SamplerPool
 
@@ -52,54 +54,39 @@ def filled_buffer(workload: str, capacity: int) -> Iterator[ReplayBuffer]:
         yield buf
 
 
-def median_time(fn: Any, n: int) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def learner_cost(buf: ReplayBuffer, batch: int, workers: int, n: int) -> dict[str, float]:
     """(1) In-process sample time vs the time next() takes when the ring has refilled."""
     rng = np.random.default_rng(1)
     for _ in range(10):
         buf.sample(batch, rng)
-    t_sample = median_time(lambda: buf.sample(batch, rng), n)
+    t_sample = median_seconds(lambda: buf.sample(batch, rng), n)
     with SamplerPool(buf, batch_size=batch, n_workers=workers, n_staging=2 * workers + 2,
                      seed=0) as pool:
         for _ in range(2 * workers + 2):
             pool.next()
-        times = []
-        for _ in range(n):
-            busy(2 * t_sample)  # the "train step": long enough for the workers to refill
-            t = time.perf_counter()
-            pool.next()
-            times.append(time.perf_counter() - t)
-    t_next = statistics.median(times)
+        # before each call a "train step", long enough for the workers to refill the ring
+        t_next = median_seconds(pool.next, n, before=lambda: busy(2 * t_sample))
     return {"in_process_s": t_sample, "pool_next_s": t_next, "ratio": t_next / t_sample}
 
 
 def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> dict[str, float]:
     """(2) A loop whose train step costs one in-process sample: pool vs in-process."""
     rng = np.random.default_rng(2)
-    t_sample = median_time(lambda: buf.sample(batch, rng), 50)
-    rates = {"in_process": [], "pool": []}
+    t_sample = median_seconds(lambda: buf.sample(batch, rng), 50)
+    rates: dict[str, list[float]] = {"in_process": [], "pool": []}
     with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+
+        def in_process_step() -> None:
+            busy(t_sample)
+            buf.sample(batch, rng)
+
+        def pool_step() -> None:
+            pool.next()
+            busy(t_sample)
+
         for _ in range(3):  # alternate the two loops: the machine's noise hits both alike
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                busy(t_sample)
-                buf.sample(batch, rng)
-                n += 1
-            rates["in_process"].append(n / (time.perf_counter() - start))
-            n, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                pool.next()
-                busy(t_sample)
-                n += 1
-            rates["pool"].append(n / (time.perf_counter() - start))
+            rates["in_process"].append(rate_for(in_process_step, seconds))
+            rates["pool"].append(rate_for(pool_step, seconds))
     ip, pl = statistics.median(rates["in_process"]), statistics.median(rates["pool"])
     return {"train_step_s": t_sample, "in_process_bps": ip, "pool_bps": pl, "speedup": pl / ip}
 
@@ -107,19 +94,13 @@ def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -
 def warm(pool: SamplerPool, seconds: float) -> None:
     """Take batches for a while: every process pays a page fault per 4 KiB page it first
     touches (~7 us each on this VM); measure the steady state a long run lives in."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pool.next()
+    calls_for(pool.next, seconds)
 
 
 def pool_rate(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> float:
     with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
         warm(pool, seconds)
-        n, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            pool.next()
-            n += 1
-        return n / (time.perf_counter() - start)
+        return rate_for(pool.next, seconds)
 
 
 def raw_gather(name: str, batch: int, seconds: float, conn: Any) -> None:
@@ -127,22 +108,19 @@ def raw_gather(name: str, batch: int, seconds: float, conn: Any) -> None:
     no shmbuf in the loop: the machine's bandwidth for this access pattern."""
     buf = ReplayBuffer.attach(name)
     try:
-        cols = dict(buf._cols)
+        cols = {field: buf.column(field) for field in buf.spec}
         out = {k: np.empty((batch, *v.shape[1:]), v.dtype) for k, v in cols.items()}
         rng = np.random.default_rng(os.getpid())
-        rows = cols[next(iter(cols))].shape[0]
-        n = 0
-        end = time.perf_counter() + 2 * seconds  # warm up, then measure
-        start = None
-        while time.perf_counter() < end:
-            if start is None and time.perf_counter() > end - seconds:
-                start, n = time.perf_counter(), 0
+        rows = len(next(iter(cols.values())))
+
+        def gather() -> None:
             idx = rng.integers(0, rows, batch)
             for k, v in cols.items():
                 np.take(v, idx, axis=0, out=out[k], mode="clip")
-            n += 1
-        conn.send(n / (time.perf_counter() - start))
-        del cols, out, v  # views of the segment: drop them before close()
+
+        with benchlib.releasing([cols, out]):  # views of the segment: gone before close()
+            calls_for(gather, seconds)  # warm up, then measure
+            conn.send(rate_for(gather, seconds))
     finally:
         buf.close()
 
@@ -217,11 +195,8 @@ def with_actor(capacity: int, batch: int, workers: int, seconds: float) -> dict[
             while (buf.committed(0) < 1.2 * capacity and time.perf_counter() < deadline):
                 pool.next()
             warm(pool, seconds)
-            c0, n, start = int(buf.committed(0)), 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                pool.next()
-                n += 1
-            elapsed = time.perf_counter() - start
+            c0 = int(buf.committed(0))
+            n, elapsed = calls_for(pool.next, seconds)
             inserts = int(buf.committed(0)) - c0
             group.poll()
     return {"n_workers": workers, "learner_bps": n / elapsed, "actor_inserts_per_s": inserts / elapsed,
@@ -257,28 +232,27 @@ def plot(rows: list[dict[str, float]], path: str, title: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small buffers, short runs (smoke test)")
+    run_options = benchlib.add_run_options(
+        p, "small buffers, short runs (smoke test)", seconds=3.0, quick_seconds=0.5,
+        rounds=5, quick_rounds=1)  # rounds: (3) and (4) report the median of this many
     p.add_argument("--workers", type=int, default=None, help="workers for 1, 2, 4 (default: cores)")
     p.add_argument("--max-workers", type=int, default=None, help="(3) up to this many workers")
-    p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--plot", default="bench-out/pool_scaling.png")
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
-    p.add_argument("--rounds", type=int, default=5, help="(3), (4): median of this many rounds")
     args = p.parse_args(argv)
+    rounds, secs = run_options(args)
     cores = os.cpu_count() or 2
     workers = args.workers or cores
     max_workers = args.max_workers or cores
     quick = args.quick
-    if quick:
-        args.rounds = 1
     cap = {"atari": 2000 if quick else 50_000, "mujoco": 20_000 if quick else 1_000_000}
     warm_cap = 2000 if quick else 10_000  # (3), (4): lanes small enough to warm up quickly
-    n_calls, secs = (30, 0.5) if quick else (300, 3.0)
-    results: dict[str, Any] = {"cores": cores, "workers": workers}
+    n_calls = 30 if quick else 300
+    info = benchlib.machine()
+    results: dict[str, Any] = {"machine": info, "cores": cores, "workers": workers}
     verdicts = []
 
-    print(f"bench_pool: {cores} cores, numpy {np.__version__}, {workers} workers"
-          f"{' (quick)' if quick else ''}\n")
+    print(f"bench_pool: {workers} workers{' (quick)' if quick else ''}, {rounds} round(s) of "
+          f"{secs:g} s\n{benchlib.machine_line(info)}\n")
     print("(1) learner-side cost per batch: pool.next() vs in-process buf.sample()")
     print(f"    {'workload':<8} {'batch':>5} {'in-process':>12} {'pool next()':>12} {'ratio':>8}")
     results["learner_cost"] = []
@@ -311,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n(3) scaling with n_workers (atari batch 256, no train step), beside n processes "
           "gathering the same rows raw (the machine's bandwidth for this access pattern)")
     with filled_buffer("atari", warm_cap) as buf:
-        rows = scaling(buf, 256, max_workers, secs, args.rounds)
+        rows = scaling(buf, 256, max_workers, secs, rounds)
     results["scaling"] = rows
     for r in rows:
         r["efficiency"] = r["batches_per_s"] / (r["n_workers"] * rows[0]["batches_per_s"])
@@ -335,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     results["with_actor"] = []
     best = None
     for n in sorted({1, workers}):
-        runs = sorted((with_actor(warm_cap, 256, n, secs) for _ in range(args.rounds)),
+        runs = sorted((with_actor(warm_cap, 256, n, secs) for _ in range(rounds)),
                       key=lambda r: r["learner_bps"])
         r = dict(runs[len(runs) // 2], rounds=[(x["learner_bps"], x["actor_inserts_per_s"])
                                                 for x in runs])
         results["with_actor"].append(r)
         print(f"    {n} worker(s): learner {r['learner_bps']:.0f} atari-256 batches/s "
               f"({r['gb_per_s']:.2f} GB/s) with the actor at {r['actor_inserts_per_s']:,.0f} "
-              f"inserts/s (median of {args.rounds}; rounds: "
+              f"inserts/s (median of {rounds}; rounds: "
               + ", ".join(f"{b:.0f}/{a / 1e3:.0f}k" for b, a in r["rounds"]) + ")")
         ok = r["learner_bps"] >= 600 and r["actor_inserts_per_s"] > 50_000
         best = r if best is None or (ok, r["learner_bps"]) > (best[0], best[1]["learner_bps"]) \
@@ -355,11 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for name, ok, detail in verdicts:
         print(f"    {'PASS' if ok else 'MISS'}  {name}: {detail}")
-    results["verdicts"] = [{"target": n, "pass": ok, "measured": d} for n, ok, d in verdicts]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 1 if args.check and not all(ok for _, ok, _ in verdicts) else 0
+    results["targets"] = [{"target": n, "pass": ok, "measured": d} for n, ok, d in verdicts]
+    return benchlib.finish(args, results)
 
 
 if __name__ == "__main__":

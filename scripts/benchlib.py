@@ -100,6 +100,34 @@ def ratio(case: TimedCase, baseline: TimedCase) -> dict[str, Any]:
             "max": max(per_round), "rounds": per_round}
 
 
+def median_seconds(op: Callable[[], Any], n: int,
+                   before: Callable[[], Any] | None = None) -> float:
+    """The median time of ``n`` calls of ``op()``; ``before()``, untimed, runs ahead of each."""
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calls_for(op: Callable[[], Any], seconds: float) -> tuple[int, float]:
+    """Call ``op()`` again and again for about ``seconds``: (calls, seconds they took)."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        op()
+        n += 1
+    return n, time.perf_counter() - t0
+
+
+def rate_for(op: Callable[[], Any], seconds: float) -> float:
+    """Calls of ``op()`` per second, over about ``seconds``."""
+    n, took = calls_for(op, seconds)
+    return n / took
+
+
 def busy(seconds: float) -> None:
     """Spin for ``seconds``: a stand-in for a train step."""
     end = time.perf_counter() + seconds
@@ -233,14 +261,15 @@ def has_space(prog: str, need_shm: int, need_ram: int, shm_size: str, ram_for: s
 # Options
 # ------------------------------------------------------------------------------------------------
 def add_run_options(p: argparse.ArgumentParser, quick_help: str, seconds: float,
-                    quick_seconds: float) -> Callable[[argparse.Namespace], tuple[int, float]]:
+                    quick_seconds: float, rounds: int = 7, quick_rounds: int = 3,
+                    ) -> Callable[[argparse.Namespace], tuple[int, float]]:
     """Add the options every round-based benchmark takes: --quick, --rounds, --seconds, --json,
-    --check. Returns what turns the parsed arguments into (rounds, seconds per measurement): 7
-    rounds (3 with --quick) and ``seconds`` (``quick_seconds``) unless given; a usage error
-    unless rounds >= 1 and seconds > 0."""
+    --check. Returns what turns the parsed arguments into (rounds, seconds per measurement):
+    ``rounds`` (``quick_rounds`` with --quick) and ``seconds`` (``quick_seconds``) unless given;
+    a usage error unless rounds >= 1 and seconds > 0."""
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--rounds", type=int, default=None,
-                   help="measurement rounds (default 7, or 3 with --quick)")
+                   help=f"measurement rounds (default {rounds}, or {quick_rounds} with --quick)")
     p.add_argument("--seconds", type=float, default=None,
                    help=f"seconds per measurement per round (default {seconds}, or "
                         f"{quick_seconds} with --quick)")
@@ -248,12 +277,13 @@ def add_run_options(p: argparse.ArgumentParser, quick_help: str, seconds: float,
     p.add_argument("--check", action="store_true", help="exit 1 if a gated target is missed")
 
     def resolve(args: argparse.Namespace) -> tuple[int, float]:
-        rounds = args.rounds if args.rounds is not None else (3 if args.quick else 7)
+        n = args.rounds if args.rounds is not None else (
+            quick_rounds if args.quick else rounds)
         secs = args.seconds if args.seconds is not None else (
             quick_seconds if args.quick else seconds)
-        if rounds < 1 or secs <= 0:
+        if n < 1 or secs <= 0:
             p.error("--rounds must be >= 1 and --seconds > 0")
-        return rounds, secs
+        return n, secs
 
     return resolve
 

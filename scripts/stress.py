@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Stress test: N actors x M sampler workers for T seconds under random SIGKILLs.
 
-Every row checks itself: it carries its lane, its logical index, a payload filled with a byte
-derived from both, and a 64-bit hash of both. The learner verifies every row of every batch
+Every row checks itself (``tests/_helpers/rows.py``, the scheme the tests use): it carries its
+lane, its logical index, ``--payload`` bytes and a check word derived from both. The learner
+verifies every row of every batch
 against ``batch.lanes``/``batch.indices``, so a torn row (two writes mixed), a stale row or a
 foreign row is caught. With ``--sampler queue`` it also checks that every row is delivered
 exactly once, oldest first (no duplicate, no gap within a lane). With ``--sampler prioritized``
@@ -21,6 +22,7 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -29,53 +31,23 @@ from shmbuf import segment as shm_segment
 from shmbuf.errors import Timeout
 from workers import ActorContext, ActorGroup, SamplerPool
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests._helpers
+from tests._helpers.rows import RowScheme
+
 SHM_DIR = "/dev/shm"
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
 
 
-def row_check(lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """The 64-bit hash each row must carry for its (lane, index)."""
-    with np.errstate(over="ignore"):
-        return (indices.astype(np.uint64) * _GOLD) ^ ((lanes.astype(np.uint64) + np.uint64(1)) * _MIX)
-
-
-def row_byte(lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """The byte a row's payload is filled with."""
-    return ((lanes.astype(np.int64) * 1_000_003 + indices.astype(np.int64) * 7919) % 251).astype(np.uint8)
-
-
-def make_rows(lane: int, first: int, n: int, payload: int) -> dict[str, np.ndarray]:
-    idx = np.arange(first, first + n, dtype=np.int64)
-    lanes = np.full(n, lane, np.int64)
-    return {
-        "lane": lanes.astype(np.int32),
-        "index": idx,
-        "check": row_check(lanes, idx),
-        "payload": np.repeat(row_byte(lanes, idx)[:, None], payload, axis=1),
-    }
-
-
-def stress_actor(ctx: ActorContext, payload: int, max_extend: int) -> None:
+def stress_actor(ctx: ActorContext, rows: RowScheme, max_extend: int) -> None:
     """Writes self-checking rows: mostly extends of random size, sometimes single adds."""
     w, rng = ctx.writer, ctx.rng
     while not ctx.stopping:
         if rng.random() < 0.2:
-            row = make_rows(ctx.lane, w.committed, 1, payload)
-            w.add(**{k: v[0] for k, v in row.items()})
+            w.add(**rows.row(ctx.lane, w.committed))
         else:
-            w.extend(make_rows(ctx.lane, w.committed, int(rng.integers(1, max_extend + 1)), payload))
+            n = int(rng.integers(1, max_extend + 1))
+            w.extend(rows.batch(ctx.lane, np.arange(w.committed, w.committed + n)))
         if rng.random() < 0.01:
             w.end_episode()
-
-
-def verify(batch) -> int:
-    """Number of bad rows in ``batch`` (0 when every row is intact and is the row it claims)."""
-    lanes, idx = np.asarray(batch.lanes), np.asarray(batch.indices)
-    ok = (batch["index"] == idx) & (batch["lane"] == lanes)
-    ok &= batch["check"] == row_check(lanes, idx)
-    ok &= (batch["payload"] == row_byte(lanes, idx)[:, None]).all(axis=1)
-    return int((~ok).sum())
 
 
 def left_behind(before: set[str]) -> list[str]:
@@ -110,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit(f"FAIL: watchdog fired after {watchdog:.0f} s: something hung")))
     signal.alarm(int(watchdog))
 
-    spec = Spec(lane=((), "int32"), index=((), "int64"), check=((), "uint64"),
-                payload=((args.payload,), "uint8"))
+    rows_scheme = RowScheme(payload_words=args.payload, payload_dtype="uint8", lane_dtype="int32")
+    spec = Spec(rows_scheme.fields)
     rng = random.Random(args.seed)
     kills = {"actor": 0, "worker": 0}
     batches = rows = corrupt = timeouts = duplicates = 0
     delivered: list[list[np.ndarray]] = [[] for _ in range(args.actors)]  # queue mode
-    actor = functools.partial(stress_actor, payload=args.payload, max_extend=args.max_extend)
+    actor = functools.partial(stress_actor, rows=rows_scheme, max_extend=args.max_extend)
     print(f"stress: {args.actors} actors x {args.workers} workers, {args.seconds:g} s, kill every "
           f"{args.kill_every:g} s, capacity {args.capacity}/lane, batch {args.batch_size}",
           flush=True)
@@ -137,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeouts += 1
                 print(f"FAIL: hang: {e}", flush=True)
                 break
-            bad = verify(batch)
+            bad = int(rows_scheme.bad_rows(batch, batch.lanes, batch.indices).sum())
             if bad:
                 corrupt += bad
                 print(f"FAIL: {bad} corrupt row(s) in batch {batches}", flush=True)

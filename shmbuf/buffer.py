@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import layout as L
+from . import slots
 from .errors import (
     ClosedError,
     LaneBusyError,
@@ -280,17 +281,10 @@ class ReplayBuffer:
 
     # -- lanes and writers ---------------------------------------------------------------------------
     def windows(self) -> Windows:
-        """Each lane's readable logical indices ``[lo, hi)``.
-
-        The writer's claim is loaded before ``committed``: read the other way round, a reader
-        descheduled between the two loads pairs an old ``committed`` with a newer claim and sees
-        a full lane as empty. Rows claimed after the load are caught by the stamp checks.
-        """
+        """Each lane's readable logical indices ``[lo, hi)`` (``slots.read_windows``: the
+        writer's claim is loaded before ``committed``)."""
         self._check_open()
-        reserved = self._reserved_v.copy()  # the writer's claim first ...
-        hi = self._committed_v.copy()  # ... then committed, at least as new
-        lo = np.minimum(np.maximum(np.maximum(reserved, hi) - self.capacity, 0), hi)
-        return Windows(lo, hi)
+        return Windows(*slots.read_windows(self._reserved_v, self._committed_v, self.capacity))
 
     def committed(self, lane: int | None = None) -> int | np.ndarray:
         """Transitions ever published to ``lane`` (or to each lane)."""
@@ -421,30 +415,17 @@ class ReplayBuffer:
         A row is good if its stamp said "holds index i" both before and after the copy.
         """
         C = self.capacity
-        slots = indices % C
+        slot_ids = indices % C
         if lanes is not None and self.lanes > 1:
-            slots += lanes * C
-        expected = indices * 2
-        expected += 2
-        stamps = self._stamps
-        before = stamps.take(slots)
-        cols = self._cols
-        for name, dst in out.items():
-            np.take(cols[name], slots, axis=0, out=dst, mode="clip")
-        if meta_out is not None:
-            np.take(self._meta, slots, out=meta_out, mode="clip")
-        after = stamps.take(slots)
-        ok = before == expected
-        ok &= after == expected
-        return ok
+            slot_ids += lanes * C
+        return slots.checked_gather(self._stamps, slot_ids, indices, self._cols, out,
+                                    self._meta, meta_out)
 
     def _draw_uniform_one_lane(self, batch: int, rng: np.random.Generator) -> Draw:
         """``draw_uniform`` for a one-lane buffer without the per-lane array arithmetic (the
         same draw, about 10 us cheaper: it matters for small rows)."""
-        q = self._q
-        reserved = q[self._lane0_reserved]  # claim first, then committed (see windows())
-        hi = q[self._lane0_committed]
-        lo = min(max(max(reserved, hi) - self.capacity, 0), hi)
+        lo, hi = slots.read_window(self._q, self._lane0_reserved, self._lane0_committed,
+                                   self.capacity)
         if hi <= lo:
             return draw_uniform(Windows(np.array([lo]), np.array([hi])), batch, rng)  # raises
         zeros = self._zero_lanes.get(batch)
@@ -735,12 +716,10 @@ class ReplayBuffer:
             self._store_writer = None
         lease = self._lock_all_lanes(timeout, "clearing the buffer")
         try:
-            q, lay, C = self._q, self._layout, self.capacity
+            lay = self._layout
             for k in range(self.lanes):
-                committed = q[lay.lane_word(k, L.LANE_COMMITTED) // 8]
-                # An empty window: lo = reserved - C = committed. A writer's next row is the
-                # first readable one again.
-                q[lay.lane_word(k, L.LANE_RESERVED) // 8] = committed + C
+                slots.empty_lane(self._q, lay.lane_word(k, L.LANE_COMMITTED) // 8,
+                                 lay.lane_word(k, L.LANE_RESERVED) // 8, self.capacity)
                 if self._episodes is not None:
                     self._episodes.clear(k)
         finally:
@@ -878,22 +857,21 @@ class ReplayBuffer:
         q, lay = self._q, self._layout
         end = first + n
         base = lane * C
-        self._stamps[base : base + C] = 0  # nothing held while we rewrite
-        q[lay.lane_word(lane, L.LANE_COMMITTED) // 8] = end
-        q[lay.lane_word(lane, L.LANE_RESERVED) // 8] = end + C  # window empty during the copy
-        for a, b, off in _ring_segments(first, n, C):
+        committed_at = lay.lane_word(lane, L.LANE_COMMITTED) // 8
+        reserved_at = lay.lane_word(lane, L.LANE_RESERVED) // 8
+        lane_stamps = self._stamps[base : base + C]
+        slots.begin_restore(lane_stamps, q, committed_at, reserved_at, end, C)  # nothing held
+        segments = _ring_segments(first, n, C)
+        for a, b, off in segments:
             for name, src in rows.items():
                 dst = self._cols[name][base + a : base + b]
                 dst[...] = src[off : off + (b - a)]
                 if on_copied is not None:
                     on_copied(dst.nbytes)
             self._meta[base + a : base + b] = meta[off : off + (b - a)]
-            self._stamps[base + a : base + b] = 2 * (first + off + np.arange(b - a)) + 2
         q[lay.lane_word(lane, L.LANE_EPISODE) // 8] = episode
         q[lay.lane_word(lane, L.LANE_EPISODE_START) // 8] = episode_start
-        # The window must start at ``first``: with n < C, ``end - C`` would offer older indices
-        # whose slots hold nothing. A writer that takes the lane over fills those slots first.
-        q[lay.lane_word(lane, L.LANE_RESERVED) // 8] = max(end, first + C)
+        slots.finish_restore(lane_stamps, segments, first, q, reserved_at, end, C)
 
     # -- teardown --------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import layout as L
+from . import slots
 from .errors import SpecMismatchError, StaleIndexError
 from .spec import RowChecker, Spec
 
@@ -64,26 +65,26 @@ class EpisodeTable:
     def write(self, lane: int, episode: int, start: int, length: int, truncated: bool,
               values: list[Any]) -> None:
         r = lane * self.capacity + episode % self.capacity
-        self.stamp[r] = 2 * episode + 1
+        slots.mark_writing(self.stamp, r, episode)
         self.start[r] = start
         self.length[r] = length
         self.flags[r] = L.EPISODE_TRUNCATED if truncated else 0
         for col, v in zip(self.data.values(), values):
             col[r] = v
-        self.stamp[r] = 2 * episode + 2
+        slots.mark_held(self.stamp, r, episode)
 
     def clear(self, lane: int) -> None:
         """Drop every record of ``lane`` (its rows were emptied). The caller holds the lane's
         writer lease; ids go on from the lane's episode counter, so later records are found."""
         E = self.capacity
-        self.stamp[lane * E : (lane + 1) * E] = 0
+        slots.clear_stamps(self.stamp, slice(lane * E, (lane + 1) * E))
 
     # -- reading (anyone) -------------------------------------------------------------------------------
     def read(self, episodes: np.ndarray, lanes: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Records of ``episodes`` (ids) of ``lanes``; (arrays, which were held whole)."""
         r = lanes * self.capacity + episodes % self.capacity
-        expected = 2 * episodes + 2  # ids are in [0, MAX_EPISODE]: no wrap; never 0 (unwritten)
-        before = self.stamp[r]
+        expected = slots.held_stamps(episodes)  # ids <= MAX_EPISODE: no wrap; never 0 (unwritten)
+        before = slots.load_stamps(self.stamp, r)
         out = {
             "episode": episodes.copy(),
             "lane": lanes.copy(),
@@ -93,8 +94,8 @@ class EpisodeTable:
         }
         for name, col in self.data.items():
             out[name] = col[r]
-        after = self.stamp[r]
-        return out, (before == expected) & (after == expected)
+        after = slots.reload_stamps(self.stamp, r)
+        return out, slots.held_whole(before, after, expected)
 
     def get(self, episode: int, lane: int) -> dict[str, Any]:
         """The record of ``episode`` of ``lane``.
@@ -128,9 +129,8 @@ class EpisodeTable:
         lanes_sel = range(self.lanes) if lane is None else [lane]
         eps, lns = [], []
         for k in lanes_sel:
-            s = stamps[k]
-            good = (s > 0) & (s % 2 == 0)
-            eps.append(s[good] // 2 - 1)
+            good, ids = slots.held_records(stamps[k])
+            eps.append(ids[good])
             lns.append(np.full(int(good.sum()), k, np.int64))
         episodes = np.concatenate(eps) if eps else np.zeros(0, np.int64)
         lanes = np.concatenate(lns) if lns else np.zeros(0, np.int64)

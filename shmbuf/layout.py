@@ -1,6 +1,7 @@
 """Byte layout of shmbuf segments: frozen constants and pure offset math, no I/O.
 
-Every segment (replay buffer or staging ring) starts with the same header page:
+Every segment (replay buffer or staging ring) starts with the same header page, whose fixed
+prefix is ``HEADER`` (one struct, its field offsets ``H_*`` beside it, below):
 
 - 8 bytes  magic ``b"SHMBUF\\0\\1"``, written last by the creator, so an attacher that sees it
   knows the rest of the header is complete.
@@ -35,6 +36,7 @@ segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the cr
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +56,19 @@ LINE = 64
 WORD = 8
 WORDS_PER_LINE = LINE // WORD
 
-# Fixed header prefix (offsets in bytes).
-H_MAGIC = 0
-H_VERSION = 8
-H_KIND = 12
-H_TOTAL_SIZE = 16
-H_OWNER_PID = 24
-H_OWNER_START = 32
-H_CREATED = 40
-H_OWNER_UID = 48
-H_JSON_LEN = 52
-H_JSON = 64
+# Fixed header prefix: HEADER packs and unpacks it; H_* are its fields' byte offsets, in order
+# (tests/test_layout.py checks the two agree).
+HEADER = struct.Struct("<8sIIQQQdII")
+H_MAGIC = 0  # 8s   MAGIC once the header is complete
+H_VERSION = 8  # u32  FORMAT_VERSION
+H_KIND = 12  # u32  KIND_*
+H_TOTAL_SIZE = 16  # u64  segment size in bytes
+H_OWNER_PID = 24  # u64
+H_OWNER_START = 32  # u64  clock ticks since boot
+H_CREATED = 40  # f64  Unix seconds
+H_OWNER_UID = 48  # u32
+H_JSON_LEN = 52  # u32  layout JSON length in bytes; 56..63 are zero
+H_JSON = 64  # the layout JSON, then zeros up to header_size()
 MAX_LAYOUT_JSON = 1 << 20  # bytes; a spec of thousands of fields stays far below
 MAX_LAYOUT_DEPTH = 32  # nesting of the layout JSON (a spec nests 4 deep)
 MAX_CREATED = 1e11  # creation times past this (year 5138) are corrupt

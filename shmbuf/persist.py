@@ -38,6 +38,7 @@ import numpy as np
 
 from . import _files
 from . import layout as L
+from . import slots
 from ._progress import Progress
 from .buffer import ReplayBuffer, _positive_int, _ring_segments
 from .errors import CapacityError, CheckpointError, SpecMismatchError
@@ -127,8 +128,7 @@ def _copy_lanes(
                 for name, dst in out.items():
                     dst[at + off : at + off + (b - a)] = cols[name][base + a : base + b]
                 meta_out[at + off : at + off + (b - a)] = meta[base + a : base + b]
-            after = np.concatenate([stamps[base + a : base + b] for a, b, _ in segments])
-            bad = np.flatnonzero(after != np.arange(2 * i0 + 2, 2 * i1 + 2, 2, dtype=np.int64))
+            bad = np.flatnonzero(~slots.still_held_run(stamps, segments, base, i0, i1))
             if bad.size:
                 keep_from = i0 + int(bad[-1]) + 1
             bar.update((i1 - i0) * row_nbytes)
@@ -194,13 +194,10 @@ def _copy_episodes(buf: ReplayBuffer) -> Records:
     if table is None:
         return Records(np.zeros((0, len(RECORD_COLUMNS)), np.int64),
                        {n: np.zeros((0, *spec[n].shape), spec[n].dtype) for n in names})
-    before = table.stamp.copy()
-    columns = [table.start.copy(), table.length.copy(), table.flags.copy()]
-    data = {n: table.data[n].copy() for n in names}
-    after = table.stamp
-    rows = np.flatnonzero((before == after) & (before > 0) & (before % 2 == 0))
+    rows, ids, (columns, data) = slots.copy_held_records(table.stamp, lambda: (
+        [table.start.copy(), table.length.copy(), table.flags.copy()],
+        {n: table.data[n].copy() for n in names}))
     lanes = rows // table.capacity
-    ids = before[rows] // 2 - 1
     order = np.lexsort((ids, lanes))
     rows = rows[order]
     records = np.stack([lanes[order], ids[order], *(c[rows] for c in columns)], axis=1)
@@ -255,7 +252,7 @@ def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
     table = buf._episodes
     if table is None:
         return
-    table.stamp[:] = 0  # nothing held while we rewrite
+    slots.clear_stamps(table.stamp)  # nothing held while we rewrite
     if records is None or not len(records.table):
         return
     E = table.capacity
@@ -266,11 +263,11 @@ def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
     rec = records.table[keep]
     ids = rec[:, 1]
     r = rec[:, 0] * E + ids % E
-    table.stamp[r] = 2 * ids + 1
+    slots.mark_writing(table.stamp, r, ids)
     table.start[r], table.length[r], table.flags[r] = rec[:, 2], rec[:, 3], rec[:, 4]
     for name, col in table.data.items():
         col[r] = records.fields[name][keep]
-    table.stamp[r] = 2 * ids + 2
+    slots.mark_held(table.stamp, r, ids)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .sampling.framestack import stack_mask, stack_offsets
 from .sampling.nstep import nstep_discount, nstep_extent, nstep_return
 from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled
 from .sampling.sequence import sequence_masks, strict_tail
+from .slots import held_stamps, load_stamps, overwritten_since, reload_stamps
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -108,9 +109,9 @@ class PlanReader:
         slots = rows % C
         if buf.lanes > 1:
             slots += (draw.lanes * C)[:, None]
-        before = buf._stamps[slots]  # stamps first ...
+        before = load_stamps(buf._stamps, slots)  # stamps first ...
         meta = buf._meta[slots]  # ... then what they guard
-        held = inwin & (before == 2 * rows + 2)
+        held = inwin & (before == held_stamps(rows))
         ep = meta >> L.STEP_BITS
         final = (meta & L.FLAG_FINAL) != 0
         j0 = self.j0
@@ -293,8 +294,8 @@ class PlanReader:
         return sel.end if self.n > 1 else None
 
     def _stable(self, sel: _Selection) -> np.ndarray:
-        after = self.buf._stamps[sel.slots]
-        return ~(sel.held & (after != sel.before)).any(axis=1)
+        after = reload_stamps(self.buf._stamps, sel.slots)
+        return np.logical_not(overwritten_since(sel.before, after, sel.held).any(axis=1))
 
     # -- entry point ---------------------------------------------------------------------------------------
     def read_into(self, out: dict[str, np.ndarray], rng: np.random.Generator,

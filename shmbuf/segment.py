@@ -32,7 +32,6 @@ import json
 import math
 import mmap
 import os
-import platform
 import re
 import secrets
 import signal
@@ -49,19 +48,18 @@ import posix_ipc
 
 from . import layout as L
 from ._util import _timeout
+from .slots import check_platform
 from .errors import (
     BufferInUseError,
     CapacityError,
     SegmentExistsError,
     SegmentFormatError,
     SegmentNotFoundError,
-    UnsupportedPlatformError,
 )
 
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "shmbuf-"
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")  # matched whole (fullmatch), "." and ".." refused
-ALLOW_ARCH_ENV = "SHMBUF_UNSAFE_ALLOW_ARCH"
 
 # struct flock on Linux x86-64 and aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (l_pid must be 0 for OFD locks).
@@ -255,37 +253,6 @@ def new_name(kind: str) -> str:
     return f"{DEFAULT_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-# --------------------------------------------------------------------------------------------
-# Platform
-# --------------------------------------------------------------------------------------------
-_TSO_MACHINES = frozenset({"x86_64", "amd64"})
-
-
-def platform_supported(machine: str, pointer_bits: int) -> bool:
-    """True where the stamp protocol is safe without fences: 64-bit x86 (TSO: stores are not
-    reordered with stores, nor loads with loads, and aligned 8-byte accesses are atomic)."""
-    return machine.lower() in _TSO_MACHINES and pointer_bits == 64
-
-
-def check_platform() -> None:
-    """Refuse to create or attach a segment where the seqlock would be unsafe.
-
-    The writer's payload, stamp and ``committed`` stores are plain stores that x86-64 keeps in
-    order; on weaker machines (aarch64, POWER, RISC-V) a reader could see a stamp before the
-    row it guards. Until fences exist there, ``SHMBUF_UNSAFE_ALLOW_ARCH=1`` lets experiments run
-    anyway, at the risk of torn rows.
-    """
-    machine = platform.machine()
-    bits = 64 if sys.maxsize > 2**32 else 32
-    if platform_supported(machine, bits) or os.environ.get(ALLOW_ARCH_ENV) == "1":
-        return
-    raise UnsupportedPlatformError(
-        f"shmbuf's shared-memory protocol relies on x86-64 store ordering; this is "
-        f"{machine or 'an unknown machine'} ({bits}-bit Python), where rows could be read torn. "
-        f"Fix: run on 64-bit x86, or set {ALLOW_ARCH_ENV}=1 to experiment at your own risk"
-    )
-
-
 def shm_free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
@@ -345,9 +312,6 @@ class Header:
     doc: dict[str, Any]
 
 
-_HDR = struct.Struct("<8sIIQQQdII")  # magic, version, kind, size, pid, start, created, uid, jsonlen
-
-
 def _magic_so_far(magic: bytes) -> bool:
     """True if ``magic`` is all zero or part of the real one: a creator may be writing it."""
     return all(b == 0 or b == m for b, m in zip(magic, L.MAGIC))
@@ -378,7 +342,7 @@ def read_header(fd: int, name: str = "?") -> Header | None:
     raw = os.pread(fd, L.H_JSON, 0)
     if len(raw) < L.H_JSON:
         raise bad(f"{st.st_size} bytes, shorter than a header ({L.H_JSON} bytes)")
-    magic, version, kind, size, pid, start, created, uid, jlen = _HDR.unpack_from(raw)
+    magic, version, kind, size, pid, start, created, uid, jlen = L.HEADER.unpack_from(raw)
     if magic != L.MAGIC:
         if _magic_so_far(magic) and st.st_size % L.PAGE == 0:
             return None
@@ -487,7 +451,7 @@ class Segment:
             pid = os.getpid()
             start = process_start_time(pid)
             # Everything but the magic first; the magic last marks the header complete.
-            _HDR.pack_into(mm, 0, b"\0" * 8, L.FORMAT_VERSION, kind, size, pid, start, now,
+            L.HEADER.pack_into(mm, 0, b"\0" * 8, L.FORMAT_VERSION, kind, size, pid, start, now,
                            os.getuid(), len(payload))
             mm[L.H_JSON : L.H_JSON + len(payload)] = payload
             mm[0:8] = L.MAGIC

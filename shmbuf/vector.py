@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import layout as L
+from . import slots
 from .errors import ClosedError, SpecMismatchError
 from .spec import RowChecker
 from .writer import Writer, wait_for_room
@@ -93,17 +94,16 @@ class VectorWriter:
         room *= self.num_envs
         self._room_until = self._rows + room
 
-    def _put(self, slots: np.ndarray, index: np.ndarray, lanes: np.ndarray, rows: list[Any],
+    def _put(self, slot_ids: np.ndarray, index: np.ndarray, lanes: np.ndarray, rows: list[Any],
              meta: np.ndarray) -> None:
         """The stamp protocol for one row per lane, every step vectorised over the lanes."""
-        claim = np.maximum(self._reserved_v[lanes], index + 1)
-        self._reserved_v[lanes] = claim
-        self._stamps[slots] = 2 * index + 1
+        slots.claim(self._reserved_v, lanes, np.maximum(self._reserved_v[lanes], index + 1))
+        slots.mark_writing(self._stamps, slot_ids, index)
         for col, values in zip(self._cols, rows):
-            col[slots] = values
-        self._meta[slots] = meta
-        self._stamps[slots] = 2 * index + 2
-        self._committed_v[lanes] = index + 1
+            col[slot_ids] = values
+        self._meta[slot_ids] = meta
+        slots.mark_held(self._stamps, slot_ids, index)
+        slots.publish(self._committed_v, lanes, index + 1)
 
     def add(self, **fields: Any) -> np.ndarray:
         """Append one transition per env (every field ``[num_envs, ...]``); returns the logical

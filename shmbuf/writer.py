@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from . import layout as L
+from . import slots
 from ._util import _ring_segments, _timeout
 from .errors import ClosedError, RateLimitTimeout
 from .segment import Lease
@@ -97,10 +98,10 @@ class Writer:
     """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
 
     Concurrency: this writer is the only process storing its lane's words, slots, rows and
-    episode records. For index i in slot s it stores ``reserved``, ``stamp[s] = 2i+1``, the row,
-    ``stamp[s] = 2i+2`` and then ``committed = i+1``; readers never wait for it and it never waits
-    for them (only, optionally, for the rate limiter). A writer belongs to the process that
-    opened it: a forked child's copy is closed.
+    episode records. For index i in slot s it stores, through ``slots``, ``reserved``,
+    ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2`` and then ``committed = i+1``; readers never
+    wait for it and it never waits for them (only, optionally, for the rate limiter). A writer
+    belongs to the process that opened it: a forked child's copy is closed.
 
     With ``next_obs="derived"`` buffers, ``add`` still takes ``next_obs`` but stores only ``obs``;
     the next observation is the next row's ``obs``, and ``end_episode`` stores the episode's true
@@ -149,18 +150,10 @@ class Writer:
             self._obs_col = list(buf._spec).index("obs")
         self._limiter = buf._limiter
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
-        self._k0 = np.zeros((), np.int64)  # 0-d operands: ufuncs take them faster than ints
-        self._one = np.ones((), np.int64)
+        self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
 
         # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
-        committed, reserved = q[self._w_committed], q[self._w_reserved]
-        if reserved > committed + C:
-            # The last writer died inside an extend() of more rows than the lane holds: every
-            # slot was being rewritten, so nothing below `committed` survives, but the rows we
-            # write from `committed` on are whole. Readers' window then starts at `committed`
-            # instead of staying empty until we pass the dead writer's claim.
-            reserved = committed + C
-            q[self._w_reserved] = reserved
+        committed, reserved = slots.take_over(q, self._w_committed, self._w_reserved, C)
         self._next = committed
         self._reserved = max(reserved, committed)
         q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
@@ -222,6 +215,9 @@ class Writer:
             self._make_room(1, self.timeout)
         s = i % self._C
         q = self._q
+        # INLINE COPY of slots.claim + slots.write_row (a call costs ~5% of a mujoco add). It
+        # omits store_fence(), a no-op on the only CPUs check_platform admits; tests/test_slots.py
+        # pins this copy to slots.py and fails once store_fence() gets a body.
         if i >= self._reserved:
             self._reserved = i + 1
             q[self._w_reserved] = i + 1
@@ -232,6 +228,7 @@ class Writer:
         q[self._meta0 + s] = self._episode_bits | (self._step & L.STEP_MASK)
         q[stamp] = 2 * i + 2
         q[self._w_committed] = i + 1
+        # END OF INLINE COPY
         self._next = i + 1
         self._step += 1
         if self._derived:
@@ -265,16 +262,14 @@ class Writer:
         q = self._q
         if end > self._reserved:
             self._reserved = end
-            q[self._w_reserved] = end
+            slots.claim(q, self._w_reserved, end)
         if self._ramp.shape[0] < keep:
             self._grow_ramp(keep)
-        ramp, ramp2, k0, one = self._ramp, self._ramp2, self._k0, self._one
+        ramp, k0 = self._ramp, self._k0
         add = np.add
         stamps, meta = self._stamps, self._meta
         segments = _ring_segments(first, keep, C)
-        for a, b, off in segments:  # odd: rows first+off .. being written
-            k0[()] = 2 * (first + off) + 1
-            add(ramp2[: b - a], k0, stamps[a:b])
+        slots.mark_ring_writing(stamps, segments, first, self._ramp2, k0)
         for col, arr in zip(self._cols, arrays):
             if skip == 0 and len(segments) == 1:
                 col[segments[0][0] : segments[0][1]] = arr
@@ -284,9 +279,8 @@ class Writer:
         for a, b, off in segments:
             k0[()] = self._episode_bits | ((self._step + skip + off) & L.STEP_MASK)
             add(ramp[: b - a], k0, meta[a:b])
-            view = stamps[a:b]
-            add(view, one, view)  # odd 2i+1 -> even 2i+2: the segment's rows are held
-        q[self._w_committed] = end
+        slots.mark_ring_held(stamps, segments)
+        slots.publish(q, self._w_committed, end)
         self._next = end
         self._step += n
         if self._derived:
@@ -335,10 +329,7 @@ class Writer:
         return ended
 
     def _write_final_row(self) -> None:
-        """One FINAL row holding the episode's last next_obs, the rest of the row zero.
-
-        Same stamp protocol as ``add`` (kept separate so ``add`` stays one flat function).
-        """
+        """One FINAL row holding the episode's last next_obs, the rest of the row zero."""
         i = self._next
         if i >= self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
             self._make_room(1, self.timeout)
@@ -346,14 +337,11 @@ class Writer:
         q = self._q
         if i >= self._reserved:
             self._reserved = i + 1
-            q[self._w_reserved] = i + 1
-        stamp = self._stamp0 + s
-        q[stamp] = 2 * i + 1
-        for k, col in enumerate(self._cols):
-            col[s] = self._pending if k == self._obs_col else 0
-        q[self._meta0 + s] = self._episode_bits | L.FLAG_FINAL | (self._step & L.STEP_MASK)
-        q[stamp] = 2 * i + 2
-        q[self._w_committed] = i + 1
+            slots.claim(q, self._w_reserved, i + 1)
+        values = [self._pending if k == self._obs_col else 0 for k in range(len(self._cols))]
+        meta = self._episode_bits | L.FLAG_FINAL | (self._step & L.STEP_MASK)
+        slots.write_row(q, self._stamp0 + s, self._meta0 + s, self._w_committed, i, self._cols, s,
+                        values, meta)
         self._next = i + 1
 
     # -- rate limiting -------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 the ``workers`` package (``test_pool``, ``test_pool_faults``, ``test_actors``, ``test_ratelimit``).
 
 Importable as ``tests.pool_procs`` under every start method, so everything here crosses process
-boundaries by reference. Every row carries its lane, its logical index, a payload and an
-observation derived from (lane, index), and a checksum over both: a learner can verify each
+boundaries by reference. Rows follow ``tests/_helpers/rows.py``: every field (a payload, an
+observation, a check word) is derived from the row's (lane, index), so a learner can verify each
 delivered row against ``batch.lanes`` / ``batch.indices`` and tell a whole row from a torn,
 stale or misplaced one.
 """
@@ -18,93 +18,27 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+# Process helpers live in tests/_helpers/processes.py; the tests call them as ``procs.X``.
+from tests._helpers.processes import descendants as descendants
+from tests._helpers.processes import kill_quietly as kill_quietly
+from tests._helpers.processes import pid_alive as pid_alive
+from tests._helpers.processes import proc_state as proc_state
+from tests._helpers.processes import wait_dead as wait_dead
+from tests._helpers.rows import RowScheme, describe_row
 
-PAYLOAD_WORDS = 8
-
-SPEC = shmbuf.Spec(
-    lane=((), "int64"),
-    index=((), "int64"),
-    obs=((2, 3), "float32"),
-    payload=((PAYLOAD_WORDS,), "uint32"),
-    check=((), "uint64"),
-)
+ROWS = RowScheme(payload_words=8, payload_dtype="uint32", obs_shape=(2, 3))
+PAYLOAD_WORDS = ROWS.payload_words
+SPEC = shmbuf.Spec(ROWS.fields)
 FIELDS = list(SPEC)
 
-_RAMP = np.arange(PAYLOAD_WORDS, dtype=np.uint64)
-_OBS_RAMP = np.arange(6, dtype=np.int64).reshape(2, 3)
-
-
 # --------------------------------------------------------------------------------------------
-# Self-checking rows
+# Self-checking rows (the scheme's functions, under the names the tests use)
 # --------------------------------------------------------------------------------------------
-def payload_for(lanes: Any, indices: Any) -> np.ndarray:
-    """uint32 payload rows ``[n, PAYLOAD_WORDS]`` that (lane, index) pairs must hold."""
-    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64)).astype(np.uint64)
-    ln = np.broadcast_to(np.asarray(lanes, dtype=np.int64), idx.shape).astype(np.uint64)
-    x = idx * np.uint64(0x9E3779B97F4A7C15)
-    x ^= (ln + np.uint64(1)) * np.uint64(0xD6E8FEB86659FD93)
-    x = x[:, None] + _RAMP[None, :] * np.uint64(0xBF58476D1CE4E5B9)
-    return (x >> np.uint64(29)).astype(np.uint32)
-
-
-def obs_for(lanes: Any, indices: Any) -> np.ndarray:
-    """float32 observations ``[n, 2, 3]`` (small exact integers) of (lane, index) pairs."""
-    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64))
-    ln = np.broadcast_to(np.asarray(lanes, dtype=np.int64), idx.shape)
-    base = (idx * 7 + ln * 13) % 65521
-    return (base[:, None, None] + _OBS_RAMP[None]).astype(np.float32)
-
-
-def checksum(payload: np.ndarray, obs: np.ndarray) -> np.ndarray:
-    """Per-row checksum over the payload words and the observation's bits."""
-    p = payload.astype(np.uint64)
-    o = np.ascontiguousarray(obs, dtype=np.float32).view(np.uint32).reshape(len(obs), -1)
-    o = o.astype(np.uint64)
-    return (np.bitwise_xor.reduce(p, axis=1) * np.uint64(31)) ^ p.sum(axis=1) ^ (
-        o.sum(axis=1) << np.uint64(20)
-    )
-
-
-def make_batch(lane: int, indices: Any) -> dict[str, np.ndarray]:
-    """Self-checking rows for logical ``indices`` of ``lane`` (for ``Writer.extend``)."""
-    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64))
-    payload = payload_for(lane, idx)
-    obs = obs_for(lane, idx)
-    return {
-        "lane": np.full(idx.shape, lane, np.int64),
-        "index": idx.copy(),
-        "obs": obs,
-        "payload": payload,
-        "check": checksum(payload, obs),
-    }
-
-
-def make_row(lane: int, index: int) -> dict[str, Any]:
-    """One self-checking transition (for ``Writer.add``)."""
-    b = make_batch(lane, [index])
-    return {k: v[0] for k, v in b.items()}
-
-
-def bad_rows(rows: Any, lanes: Any = None, indices: Any = None) -> np.ndarray:
-    """Mask of rows that are not whole, or (when given) not the (lane, index) drawn.
-
-    ``rows`` maps field -> array (a ``Batch``, a dict, torch tensors); at least ``lane``,
-    ``index`` and one of ``payload`` / ``obs`` must be present. Missing fields are not checked.
-    """
-    r = {k: np.asarray(rows[k]) for k in rows}
-    lane, index = r["lane"], r["index"]
-    bad = np.zeros(lane.shape, bool)
-    if "payload" in r:
-        bad |= (r["payload"] != payload_for(lane, index)).any(axis=1)
-    if "obs" in r:
-        bad |= (r["obs"] != obs_for(lane, index)).reshape(len(lane), -1).any(axis=1)
-    if "payload" in r and "obs" in r:
-        bad |= r["check"] != checksum(r["payload"], r["obs"])
-    if lanes is not None:
-        bad |= lane != np.asarray(lanes)
-    if indices is not None:
-        bad |= index != np.asarray(indices)
-    return bad
+payload_for = ROWS.payload  # uint32 payload rows [n, PAYLOAD_WORDS] of (lane, index) pairs
+obs_for = ROWS.obs  # float32 observations [n, 2, 3] (small exact integers)
+make_batch = ROWS.batch  # rows for logical indices of a lane (for Writer.extend)
+make_row = ROWS.row  # one row (for Writer.add)
+bad_rows = ROWS.bad_rows  # mask of rows that are not whole, or not the (lane, index) drawn
 
 
 def assert_batch_ok(batch: Any, batch_size: int | None = None) -> None:
@@ -114,12 +48,9 @@ def assert_batch_ok(batch: Any, batch_size: int | None = None) -> None:
         assert indices.shape == (batch_size,), indices.shape
     bad = bad_rows(batch, lanes, indices)
     if bad.any():
-        b = int(np.flatnonzero(bad)[0])
         raise AssertionError(
-            f"{int(bad.sum())} of {bad.size} delivered rows are corrupt; e.g. row {b}: holds "
-            f"lane={int(np.asarray(batch['lane'])[b])} index={int(np.asarray(batch['index'])[b])}, "
-            f"drawn as lane={int(lanes[b])} index={int(indices[b])}"
-        )
+            f"{int(bad.sum())} of {bad.size} delivered rows are corrupt; e.g. "
+            + describe_row(batch, int(np.flatnonzero(bad)[0]), lanes, indices))
 
 
 def fill(buf: shmbuf.ReplayBuffer, rows_per_lane: int, lanes: Any = None) -> None:
@@ -139,69 +70,6 @@ def new_buffer(capacity: int = 256, lanes: int = 2, rows: int | None = None) -> 
         buf.close()
         raise
     return buf
-
-
-# --------------------------------------------------------------------------------------------
-# Processes: liveness from the outside
-# --------------------------------------------------------------------------------------------
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, which no parent has reaped yet, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    state = data[data.rindex(b")") + 2 : data.rindex(b")") + 3]
-    return state not in (b"Z", b"X")
-
-
-def proc_state(pid: int) -> str:
-    """The state letter of ``pid`` in /proc ("R", "S", "T" stopped, "Z" zombie...; "" if gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return ""
-    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3].decode()
-
-
-def wait_dead(pids: list[int], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` for every pid to end; return those still alive."""
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` in the process tree (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        ppid = int(data[data.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kill_quietly(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,7 +250,7 @@ def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = F
                        min_size=10_000 if starved else 1)
     if starved:
         deadline = time.monotonic() + 30
-        while not all(w.hello for w in pool._workers):  # every worker set up and waiting
+        while not all(w.hello for w in pool._delivery.workers()):  # every worker set up and waiting
             try:
                 pool.next(timeout=0.1)
             except shmbuf.Timeout:

@@ -1,8 +1,9 @@
 """Child-process entry points and self-checking rows for the storage tests.
 
-Importable as ``tests.storage_procs`` under every start method. Every row written by these
-helpers carries its writer's lane, its logical index, a payload derived from (lane, index) and a
-checksum of that payload, so any reader can tell a whole row from a torn or misplaced one.
+Importable as ``tests.storage_procs`` under every start method. Rows follow
+``tests/_helpers/rows.py``: two wide columns (a payload and its mirror) and a check word, all
+derived from the row's (lane, index), so any reader can tell a whole row from a torn or
+misplaced one.
 """
 
 from __future__ import annotations
@@ -14,104 +15,37 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+# Process helpers live in tests/_helpers/processes.py; the tests call them as ``procs.X``.
+from tests._helpers.processes import collect as collect
+from tests._helpers.processes import reap as reap
+from tests._helpers.processes import release_sync as release_sync
+from tests._helpers.rows import RowScheme, ShiftedBatches, describe_row
 
 PAYLOAD_WORDS = 32  # u64 words per payload column: 256 bytes, two columns per row
+ROWS = RowScheme(payload_words=PAYLOAD_WORDS, mirror=True)
+SPEC = shmbuf.Spec(ROWS.fields)
 
-SPEC = shmbuf.Spec(
-    lane=((), "int64"),
-    index=((), "int64"),
-    payload=((PAYLOAD_WORDS,), "uint64"),
-    mirror=((PAYLOAD_WORDS,), "uint64"),
-    check=((), "uint64"),
-)
-
-_MASK = (1 << 64) - 1
-_MUL_INDEX = 0x9E3779B97F4A7C15
-_MUL_LANE = 0xD6E8FEB86659FD93
-_RAMP = np.arange(PAYLOAD_WORDS, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-
-
-def payload_for(lanes: Any, indices: Any) -> np.ndarray:
-    """The payload rows [n, PAYLOAD_WORDS] that (lane, index) pairs must hold: word k of row
-    (lane, i) is ``i*A + (lane+1)*B + k*D`` mod 2**64, distinct for every lane, index and word
-    (and affine in i, so a writer can shift a precomputed batch with one add)."""
-    idx = np.atleast_1d(np.asarray(indices, dtype=np.int64)).astype(np.uint64)
-    ln = np.broadcast_to(np.asarray(lanes, dtype=np.int64), idx.shape).astype(np.uint64)
-    base = idx * np.uint64(_MUL_INDEX) + (ln + np.uint64(1)) * np.uint64(_MUL_LANE)
-    return base[:, None] + _RAMP[None, :]
-
-
-def checksum(payload: np.ndarray) -> np.ndarray:
-    """Per-row checksum of a payload block: the wrapping sum of its words."""
-    return payload.sum(axis=1, dtype=np.uint64)
-
-
-def make_batch(lane: int, indices: Any) -> dict[str, np.ndarray]:
-    """Self-checking rows for logical ``indices`` of ``lane`` (for ``extend``)."""
-    idx = np.asarray(indices, dtype=np.int64)
-    payload = payload_for(lane, idx)
-    return {
-        "lane": np.full(idx.shape, lane, np.int64),
-        "index": idx.copy(),
-        "payload": payload,
-        "mirror": ~payload,
-        "check": checksum(payload),
-    }
-
-
-class BatchMaker:
-    """Makes ``make_batch(lane, range(i0, i0+n))`` into reused arrays, cheaply: rows are an
-    affine function of the index, so a batch is a precomputed one shifted by ``i0``. Only the last
-    ``keep`` rows are filled (``extend`` drops the rows before the last ``capacity``)."""
-
-    def __init__(self, lane: int, max_rows: int) -> None:
-        self.lane = lane
-        self._base = make_batch(lane, np.arange(max_rows))
-        self._out = {k: v.copy() for k, v in self._base.items()}
-
-    def make(self, i0: int, n: int, keep: int | None = None) -> dict[str, np.ndarray]:
-        lo = 0 if keep is None else max(0, n - keep)
-        shift = np.uint64((i0 * _MUL_INDEX) & _MASK)
-        b, o = self._base, self._out
-        np.add(b["index"][lo:n], i0, out=o["index"][lo:n])
-        np.add(b["payload"][lo:n], shift, out=o["payload"][lo:n])
-        np.invert(o["payload"][lo:n], out=o["mirror"][lo:n])
-        np.add(b["check"][lo:n], np.uint64((PAYLOAD_WORDS * int(shift)) & _MASK),
-               out=o["check"][lo:n])
-        return {k: v[:n] for k, v in o.items()}
-
-
-def make_row(lane: int, index: int) -> dict[str, Any]:
-    """One self-checking transition (for ``add``)."""
-    b = make_batch(lane, [index])
-    return {"lane": lane, "index": index, "payload": b["payload"][0], "mirror": b["mirror"][0],
-            "check": b["check"][0]}
-
-
-def bad_rows(rows: dict[str, np.ndarray], lanes: Any = None, indices: Any = None) -> np.ndarray:
-    """Mask of rows that are not whole: payload, mirror or checksum disagree with (lane, index),
-    or (if given) the row is not the one that was asked for."""
-    lane, index = rows["lane"], rows["index"]
-    want = payload_for(lane, index)
-    bad = (rows["payload"] != want).any(axis=1)
-    bad |= (rows["mirror"] != ~want).any(axis=1)
-    bad |= rows["check"] != checksum(want)
-    if lanes is not None:
-        bad |= lane != np.asarray(lanes)
-    if indices is not None:
-        bad |= index != np.asarray(indices)
-    return bad
+make_batch = ROWS.batch  # rows for logical indices of a lane (for extend)
+make_row = ROWS.row  # one row (for add)
+bad_rows = ROWS.bad_rows  # mask of rows that are not whole, or not the (lane, index) drawn
 
 
 def empty_batch(batch: int) -> dict[str, np.ndarray]:
     return {n: np.empty((batch, *f.shape), f.dtype) for n, f in SPEC.items()}
 
 
-def _describe(rows: dict[str, np.ndarray], b: int, lanes: Any, indices: Any) -> str:
-    got = f"row lane={int(rows['lane'][b])} index={int(rows['index'][b])}"
-    if lanes is not None:
-        got += f", drawn from lane {int(np.asarray(lanes)[b])} index {int(np.asarray(indices)[b])}"
-    return got
+def _count_call(report: dict[str, Any], rows: dict[str, np.ndarray], lanes: Any,
+                indices: Any) -> None:
+    """Count a read call in ``report`` and check the ``rows`` it returned (drawn as
+    ``lanes``/``indices``, if given)."""
+    report["calls"] += 1
+    bad = bad_rows(rows, lanes, indices)
+    report["checked"] += int(bad.size)
+    if bad.any():
+        report["corrupt"] += int(bad.sum())
+        for b in np.flatnonzero(bad)[:3]:
+            if len(report["examples"]) < 10:
+                report["examples"].append(describe_row(rows, int(b), lanes, indices))
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,14 +125,7 @@ def reader_main(buf: shmbuf.ReplayBuffer, reader: int, barrier: Any, first_commi
             break
         finally:
             report["max_call_s"] = max(report["max_call_s"], time.monotonic() - t0)
-        report["calls"] += 1
-        bad = bad_rows(rows, lanes, indices)
-        report["checked"] += int(bad.size)
-        if bad.any():
-            report["corrupt"] += int(bad.sum())
-            for b in np.flatnonzero(bad)[:3]:
-                if len(report["examples"]) < 10:
-                    report["examples"].append(_describe(rows, int(b), lanes, indices))
+        _count_call(report, rows, lanes, indices)
         if k % 16 == 0 and (buf.committed() >= buf.capacity).all():
             # Negative control: the same kind of gather with no seqlock check. Torn rows seen
             # here show that the test really races readers against writers.
@@ -217,7 +144,7 @@ def extend_forever(buf: shmbuf.ReplayBuffer, lane: int, conn: Any, max_rows: int
     """Take ``lane`` and extend big self-checking batches until killed. Batches are shifted
     copies of a precomputed one, so most of the time is spent inside ``extend``."""
     rng = np.random.default_rng(seed)
-    maker = BatchMaker(lane, max_rows)
+    maker = ShiftedBatches(ROWS, lane, max_rows)
     sizes = rng.integers(max_rows // 2, max_rows + 1, size=1024)
     w = buf.writer(lane=lane, timeout=10)
     conn.send(("started", os.getpid(), w.committed))
@@ -252,14 +179,7 @@ def checking_reader(buf: shmbuf.ReplayBuffer, conn: Any, seed: int) -> None:
             continue
         finally:
             report["max_call_s"] = max(report["max_call_s"], time.monotonic() - t0)
-        report["calls"] += 1
-        bad = bad_rows(out, draw.lanes, draw.indices)
-        report["checked"] += int(bad.size)
-        if bad.any():
-            report["corrupt"] += int(bad.sum())
-            for b in np.flatnonzero(bad)[:3]:
-                if len(report["examples"]) < 10:
-                    report["examples"].append(_describe(out, int(b), draw.lanes, draw.indices))
+        _count_call(report, out, draw.lanes, draw.indices)
 
 
 def write_rows(buf: shmbuf.ReplayBuffer, lane: int, n: int, results: Any) -> None:
@@ -298,49 +218,3 @@ def use_inherited_writer(buf: shmbuf.ReplayBuffer, w: shmbuf.Writer, results: An
     with buf.writer(lane=other, timeout=5) as w2:
         report["other_lane_index"] = w2.add(**make_row(other, w2.committed))
     results.put(report)
-
-
-# --------------------------------------------------------------------------------------------
-# Parent-side helpers
-# --------------------------------------------------------------------------------------------
-def collect(queue: Any, n: int, procs: list, timeout: float) -> list:
-    """Take ``n`` results from ``queue``; fail fast if a process died without reporting."""
-    import queue as _queue
-
-    got: list = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n:
-        try:
-            got.append(queue.get(timeout=0.2))
-            continue
-        except _queue.Empty:
-            pass
-        dead = [p for p in procs if p.exitcode not in (None, 0)]
-        if dead:
-            raise AssertionError(
-                "child process(es) died before reporting: "
-                + ", ".join(f"{p.name} pid {p.pid} exitcode {p.exitcode}" for p in dead)
-            )
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {n - len(got)} result(s)")
-    return got
-
-
-def reap(procs: list, timeout: float = 10.0) -> None:
-    """Join each process within ``timeout``; SIGKILL and join whatever is still running."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.exitcode is None:
-            p.kill()
-            p.join(5)
-
-
-def release_sync() -> None:
-    """Finalize dropped multiprocessing primitives now: under spawn/forkserver their named
-    semaphores stay in /dev/shm until then, and reference cycles delay it past the test."""
-    import gc
-
-    gc.collect()

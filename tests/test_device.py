@@ -22,8 +22,9 @@ import pytest
 
 from tests import pool_procs as procs
 from workers import SamplerPool
+from workers import delivery as delivery_mod
 from workers import device as device_mod
-from workers import pool as pool_mod
+from workers.delivery_ring import RingDelivery
 from workers.device import DeviceStage, DeviceUnavailableError, SlotFences
 
 torch = pytest.importorskip("torch")
@@ -172,7 +173,7 @@ def fake(monkeypatch):
     def factory(lazy: str, thread: bool = True) -> FakeBackend:
         be = FakeBackend(FakeDevice(lazy, thread=thread))
         made.append(be)
-        monkeypatch.setattr(pool_mod, "make_backend", lambda device: be)
+        monkeypatch.setattr(delivery_mod, "make_backend", lambda device: be)
         return be
 
     yield factory
@@ -352,10 +353,10 @@ def test_pinned_release_fences_the_users_own_async_copy(buf, fake, monkeypatch):
             cudart = staticmethod(lambda: _Cudart())
 
     def fake_pin(self, torch_mod):
-        if self._ring is not None:
-            self._pinned = (_Torch, 0)
+        if self.ring is not None:
+            self.pinned = (_Torch, 0)
 
-    monkeypatch.setattr(SamplerPool, "_pin", fake_pin)
+    monkeypatch.setattr(RingDelivery, "pin", fake_pin)
 
     def run() -> int:
         bad: list[int] = []
@@ -407,7 +408,7 @@ def test_device_cpu_delivers_owned_tensors(buf, start_method):
             assert isinstance(batch["obs"], torch.Tensor)
             assert batch["obs"].data_ptr() not in {
                 a.ctypes.data for s in range(pool.n_staging)
-                for a in pool._ring.slot(s).values()
+                for a in pool._delivery.ring.slot(s).values()
             }
             assert not procs.bad_rows({k: batch[k].numpy() for k in batch},
                                       batch.lanes.numpy(), batch.indices.numpy()).any()

@@ -732,12 +732,12 @@ def test_a_dev_shm_out_of_inodes_is_a_capacity_error_for_real():
     ("riscv64", 64, False), ("", 64, False),
 ])
 def test_only_64_bit_x86_is_supported(machine, bits, ok):
-    assert S.platform_supported(machine, bits) is ok
+    assert shmbuf.slots.platform_supported(machine, bits) is ok
 
 
 def test_create_and_attach_refuse_another_architecture(monkeypatch):
     with shmbuf.ReplayBuffer.create(SPEC, capacity=8) as buf:
-        monkeypatch.setattr(S.platform, "machine", lambda: "aarch64")
+        monkeypatch.setattr(shmbuf.slots.platform, "machine", lambda: "aarch64")
         monkeypatch.delenv("SHMBUF_UNSAFE_ALLOW_ARCH", raising=False)
         before = set(os.listdir(SHM_DIR))
         with pytest.raises(shmbuf.ShmbufError, match="aarch64") as info:

@@ -61,15 +61,15 @@ def test_jax_arrays_are_zero_copy_views_that_keep_their_slot(buf):
         batch = pool.next(timeout=30)
         frame, index, slot = batch["frame"], batch["index"], batch.slot
         assert isinstance(frame, jax.Array)
-        assert frame.unsafe_buffer_pointer() == pool._ring.slot(slot)["frame"].ctypes.data
+        assert frame.unsafe_buffer_pointer() == pool._delivery.ring.slot(slot)["frame"].ctypes.data
         before = np.asarray(frame).copy()
         for _ in range(10):
             assert pool.next(timeout=30).slot != slot
-        assert pool._fences.busy(slot)
+        assert pool._delivery.fences.busy(slot)
         assert (np.asarray(frame) == before).all() and int(_bad_rows(frame, index, 0.0)) == 0
         del frame, index
         slots = {pool.next(timeout=30).slot for _ in range(10)}
-        assert slot in slots and not pool._fences.busy(slot)
+        assert slot in slots and not pool._delivery.fences.busy(slot)
 
 
 def test_a_learner_that_keeps_every_batch_gets_a_timeout_that_says_so(buf):

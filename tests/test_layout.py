@@ -178,14 +178,14 @@ def test_encode_layout_is_canonical():
 # A real segment matches the documented layout
 # --------------------------------------------------------------------------------------------
 def test_header_struct_matches_the_documented_offsets():
-    fmt = shmbuf.segment._HDR.format
+    fmt = L.HEADER.format
     assert fmt.startswith("<")
     codes = re.findall(r"\d*[a-zA-Z?]", fmt[1:])  # "8s", "I", ...
     offsets = [struct.calcsize("<" + "".join(codes[:k])) for k in range(len(codes))]
     # magic, version, kind, total size, owner pid, owner start, created, uid, json length
     assert offsets == [L.H_MAGIC, L.H_VERSION, L.H_KIND, L.H_TOTAL_SIZE, L.H_OWNER_PID,
                        L.H_OWNER_START, L.H_CREATED, L.H_OWNER_UID, L.H_JSON_LEN]
-    assert shmbuf.segment._HDR.size <= L.H_JSON
+    assert L.HEADER.size <= L.H_JSON
 
 
 def test_a_real_segment_puts_header_and_lane_words_where_layout_says():

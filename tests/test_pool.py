@@ -209,7 +209,7 @@ def test_torch_output_is_a_view_of_the_staging_slot(buf, start_method):
         bad = procs.bad_rows({k: batch[k].numpy() for k in batch}, batch.lanes.numpy(),
                              batch.indices.numpy())
         assert not bad.any()
-        slot_arrays = pool._ring.slot(batch.slot)  # the learner's own mapping of the slot
+        slot_arrays = pool._delivery.ring.slot(batch.slot)  # the learner's own mapping of the slot
         for name in procs.FIELDS:
             assert batch[name].data_ptr() == slot_arrays[name].ctypes.data
         assert batch.indices.data_ptr() == slot_arrays["_indices"].ctypes.data

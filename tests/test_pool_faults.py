@@ -62,7 +62,7 @@ def test_worker_killed_mid_fill_is_replaced_and_learner_goes_on(buf, start_metho
     kills = 3
     with SamplerPool(buf, batch_size=8, n_workers=2, n_staging=4, start_method=start_method,
                      seed=0, transform=procs.Sleep(0.02), max_restarts_per_minute=60) as pool:
-        ring = pool._ring
+        ring = pool._delivery.ring
         procs.assert_batch_ok(pool.next(timeout=30), 8)
         delivered = 1
         for k in range(kills):
@@ -245,8 +245,8 @@ def test_children_hold_no_parent_side_channel_end(buf, start_method):
             procs.assert_batch_ok(pool.next(timeout=30), 4)
             group.poll()
             assert time.monotonic() < deadline, "children did not start"
-        parent_side = {os.fstat(w.chan.fd).st_ino for w in pool._workers}
-        parent_side |= {os.fstat(a.conn.fileno()).st_ino for a in group._actors}
+        parent_side = {os.fstat(w.chan.fd).st_ino for w in pool._delivery.workers()}
+        parent_side |= {os.fstat(a.chan.fd).st_ino for a in group._actors}
         assert len(parent_side) == 4
         for pid in pool.worker_pids + group.pids:
             held = _socket_inodes(pid) & parent_side
@@ -425,7 +425,7 @@ class _ClosingPoller:
     would at the worst moment (the learner's wait then returns the closed descriptors)."""
 
     def __init__(self, pool: SamplerPool) -> None:
-        self.pool, self.real, self.armed = pool, pool._poller, True
+        self.pool, self.real, self.armed = pool, pool._delivery.children.poller, True
 
     def poll(self, ms: int):
         if self.armed:
@@ -446,7 +446,7 @@ def test_close_landing_inside_the_learners_wait_raises_closed_error():
     restarts no worker for the exits it then sees."""
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=32) as empty:
         pool = SamplerPool(empty, batch_size=4, n_workers=2, start_method="fork")
-        pool._poller = _ClosingPoller(pool)
+        pool._delivery.children.poller = _ClosingPoller(pool)
         with pytest.raises(shmbuf.ClosedError):
             pool.next(timeout=5)
         assert multiprocess.active_children() == []

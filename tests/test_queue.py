@@ -336,7 +336,7 @@ def test_exactly_once_with_several_writers_workers_and_kills(start_method):
                 if n_kills < 6 and time.monotonic() >= next_kill:
                     kind = ("worker", "actor")[n_kills % 2]
                     if kind == "worker":  # a started worker (not one still starting up)
-                        ready = [w.proc.pid for w in pool._workers
+                        ready = [w.proc.pid for w in pool._delivery.workers()
                                  if w.hello and w.proc.is_alive()]
                         victims = [(pid, None) for pid in ready]
                     else:

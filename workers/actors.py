@@ -4,8 +4,8 @@ The user's ``actor_fn(ctx)`` runs in N processes; ``ctx.writer`` holds the actor
 exception comes back to the parent with its traceback; a crashed or killed actor is restarted
 within a rate budget, and the restarted process takes its lane over where the dead one stopped.
 
-Stopping and parent death travel over each actor's own pipe (no shared lock that a killed
-process could leave held): ``ctx.stopping`` turns true when the parent asks, or when the parent
+Stopping and parent death travel over each actor's own channel (``supervise.ChildSet``; no
+shared lock that a killed process could leave held): ``ctx.stopping`` turns true when the parent asks, or when the parent
 is gone (end-of-file), so orphaned actors end by themselves.
 """
 
@@ -15,8 +15,6 @@ import os
 import signal
 import time
 import traceback
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import cloudpickle
@@ -27,7 +25,8 @@ from shmbuf import ReplayBuffer, Writer
 from shmbuf._util import _timeout
 from shmbuf.errors import ActorError, ClosedError
 
-from .supervise import RestartBudget, describe_exit, stop_process
+from .channel import OP_DONE, OP_ERROR, Channel
+from .supervise import Child, ChildSet
 
 RESTART_POLICIES = ("on-failure", "never")
 STOP_CHECK_EVERY = 0.01  # seconds between pipe polls in ctx.stopping
@@ -46,7 +45,7 @@ class ActorContext:
     """
 
     def __init__(self, writer: Writer, buffer: ReplayBuffer, actor_id: int, lane: int,
-                 incarnation: int, seed: np.random.SeedSequence, conn: Any) -> None:
+                 incarnation: int, seed: np.random.SeedSequence, chan: Channel) -> None:
         self.writer = writer
         self.buffer = buffer
         self.actor_id = actor_id
@@ -54,7 +53,7 @@ class ActorContext:
         self.incarnation = incarnation
         self.seed = seed
         self.rng = np.random.default_rng(seed)
-        self._conn = conn
+        self._chan = chan
         self._stop = False
         self._next_check = 0.0
 
@@ -67,35 +66,33 @@ class ActorContext:
         if now < self._next_check:
             return False
         self._next_check = now + STOP_CHECK_EVERY
-        try:
-            if self._conn.poll(0):
-                self._conn.recv()  # the only message the parent sends is "stop"
-                self._stop = True
-        except (EOFError, OSError):
-            self._stop = True  # the parent died
+        messages, parent_gone = self._chan.receive()
+        if messages or parent_gone:  # the only record the parent sends is STOP
+            self._stop = True
         return self._stop
 
 
-def actor_main(fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int, incarnation: int,
-               seed: np.random.SeedSequence, conn: Any, lane_timeout: float) -> None:
+def actor_main(sock: Any, fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int,
+               incarnation: int, seed: np.random.SeedSequence, lane_timeout: float) -> None:
     """Entry point of an actor process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us on Ctrl-C
+    chan = Channel(sock)
     buf = ctx = None
     try:
         fn = cloudpickle.loads(fn_bytes)
         buf = ReplayBuffer.attach(buffer_name)
         with buf.writer(lane=lane, timeout=lane_timeout) as writer:
-            ctx = ActorContext(writer, buf, actor_id, lane, incarnation, seed, conn)
+            ctx = ActorContext(writer, buf, actor_id, lane, incarnation, seed, chan)
             writer.stop_when = lambda: ctx.stopping  # a stop also ends a rate-limiter wait
             try:
                 fn(ctx)
             except ClosedError:
                 if not ctx._stop:
                     raise
-        conn.send(("done", None))
+        chan.send(OP_DONE)
     except BaseException:
         try:
-            conn.send(("error", traceback.format_exc()))
+            chan.send_text(OP_ERROR, traceback.format_exc())
         except (OSError, ValueError):
             pass
         os._exit(1)
@@ -104,34 +101,16 @@ def actor_main(fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int, inca
             buf.close()
 
 
-@dataclass
-class _Actor:
-    actor_id: int
-    lane: int
-    proc: Any = None
-    conn: Any = None
-    incarnation: int = -1
-    finished: bool = False
-    error: str | None = None
+class _Actor(Child):
+    """The parent's record of one actor (its id and lane survive restarts)."""
 
-    def _close_in_child(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
-
-_PARENT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _close_parent_only_in_child() -> None:
-    for group in list(_PARENT_ONLY):
-        for actor in group._actors:
-            try:
-                actor._close_in_child()
-            except Exception:
-                pass
-
-
-os.register_at_fork(after_in_child=_close_parent_only_in_child)
+    def __init__(self, actor_id: int, lane: int) -> None:
+        super().__init__(actor_id)
+        self.actor_id = actor_id
+        self.lane = lane
+        self.incarnation = -1
+        self.finished = False
+        self.error: str | None = None
 
 
 class ActorGroup:
@@ -195,14 +174,13 @@ class ActorGroup:
                 f"actor_fn {name} cannot be serialised for the actor processes "
                 f"({type(e).__name__}: {e}); create unpicklable objects inside it instead"
             ) from e
-        self._ctx = multiprocess.get_context(start_method)
         self.restart = restart
-        self._budget = RestartBudget(max_restarts_per_minute)
+        self._children = ChildSet(multiprocess.get_context(start_method), actor_main,
+                                  "shmbuf-actor", max_restarts_per_minute)
         self._seed = np.random.SeedSequence(seed)
         self._lane_timeout = lane_timeout
         self._actors = [_Actor(i, lane) for i, lane in enumerate(lanes)]
         self._stopped = False
-        _PARENT_ONLY.add(self)
         try:
             for actor in self._actors:
                 self._start(actor)
@@ -212,21 +190,11 @@ class ActorGroup:
 
     def _start(self, actor: _Actor) -> None:
         actor.incarnation += 1
-        parent_end, child_end = self._ctx.Pipe(duplex=True)
         seed = np.random.SeedSequence(self._seed.entropy,
                                       spawn_key=(actor.actor_id, actor.incarnation))
-        proc = self._ctx.Process(
-            target=actor_main,
-            args=(self._fn_bytes, self._buf.name, actor.actor_id, actor.lane, actor.incarnation,
-                  seed, child_end, self._lane_timeout),
-            name=f"shmbuf-actor-{actor.actor_id}", daemon=True,
-        )
-        # Known before the fork, so the at-fork hook closes the parent's end in the child: a
-        # forked actor holding it would never see end-of-file when the parent dies.
-        actor.conn = parent_end
-        proc.start()
-        child_end.close()
-        actor.proc, actor.error = proc, None
+        self._children.start(actor, self._fn_bytes, self._buf.name, actor.actor_id, actor.lane,
+                             actor.incarnation, seed, self._lane_timeout)
+        actor.error = None
 
     # -- supervision ------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -238,42 +206,35 @@ class ActorGroup:
         """
         if self._stopped:
             return
-        for actor in self._actors:
-            if actor.finished or actor.proc is None or actor.proc.is_alive():
-                continue
-            actor.proc.join(1.0)
-            status, payload = self._last_message(actor)
-            actor.conn.close()
-            if status == "done" and actor.proc.exitcode == 0:
+        for actor in self._children.exited():
+            last_op, text = self._last_message(actor)
+            self._children.retire(actor)
+            if last_op == OP_DONE and actor.proc.exitcode == 0:
                 actor.finished = True
                 continue
-            how = describe_exit(actor.proc.exitcode)
-            detail = f"; its traceback:\n{payload}" if status == "error" else ""
-            actor.error = f"actor {actor.actor_id} (pid {actor.proc.pid}, lane {actor.lane}) {how}{detail}"
+            detail = f"; its traceback:\n{text}" if last_op == OP_ERROR else ""
+            actor.error = (f"actor {actor.actor_id} (pid {actor.proc.pid}, lane {actor.lane}) "
+                           f"{actor.describe_exit()}{detail}")
             if self.restart == "never":
                 actor.finished = True
                 raise ActorError(actor.error)
-            if not self._budget.try_spend():
+            if not self._children.may_restart():
                 actor.finished = True
-                raise ActorError(
-                    f"{actor.error}\nrestart budget exhausted ({self._budget.recent()} restarts "
-                    f"in the last minute, max {self._budget.per_minute:g}/min)"
-                )
+                raise ActorError(f"{actor.error}\n{self._children.budget.exhausted()}")
             self._start(actor)
 
     @staticmethod
-    def _last_message(actor: _Actor) -> tuple[str | None, Any]:
-        status, payload = None, None
-        try:
-            while actor.conn.poll(0):
-                status, payload = actor.conn.recv()
-        except (EOFError, OSError):
-            pass
-        return status, payload
+    def _last_message(actor: _Actor) -> tuple[int | None, str]:
+        """The last record the actor sent (DONE, or ERROR with its traceback)."""
+        messages, _ = actor.chan.receive()
+        if not messages:
+            return None, ""
+        op, _, _, text = messages[-1]
+        return op, text.decode("utf-8", "replace")
 
     @property
     def restarts(self) -> int:
-        return self._budget.total
+        return self._children.restarts
 
     @property
     def pids(self) -> list[int | None]:
@@ -303,19 +264,8 @@ class ActorGroup:
         if self._stopped:
             return
         self._stopped = True
-        for actor in self._actors:
-            if actor.conn is not None and not actor.conn.closed:
-                try:
-                    actor.conn.send("stop")
-                except OSError:
-                    pass
-        deadline = time.monotonic() + timeout
-        for actor in self._actors:
-            if actor.proc is not None:
-                stop_process(actor.proc, max(0.1, deadline - time.monotonic()))
-            if actor.conn is not None:
-                actor.conn.close()
-        _PARENT_ONLY.discard(self)
+        self._children.stop(timeout)
+        self._children.close()
         if self._own_buffer:
             self._buf.close()
 

@@ -14,6 +14,10 @@ import struct
 from typing import Any
 
 MSG = struct.Struct("<qqq")  # op, a, b
+# Records every supervised child understands (each child kind adds its own ops, all distinct):
+# child -> parent HELLO (set up), ERROR (traceback text), DONE (returned normally);
+# parent -> child STOP.
+OP_HELLO, OP_ERROR, OP_DONE, OP_STOP = 1, 3, 5, 11
 MAX_TEXT = 48 * 1024  # tracebacks longer than this keep their tail
 
 

@@ -27,10 +27,9 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import EmptyBufferError, SamplingError
-
-from .channel import Channel
 from shmbuf.priority import PriorityTable
 
+from .channel import OP_ERROR, OP_HELLO, OP_STOP, Channel
 from .staging import (
     FILLING,
     INDICES,
@@ -44,8 +43,8 @@ from .staging import (
     StagingRing,
 )
 
-OP_HELLO, OP_READY, OP_ERROR, OP_STALE = 1, 2, 3, 4
-OP_FILL, OP_STOP, OP_GATHER = 10, 11, 12  # GATHER: the learner wrote the rows into the slot
+OP_READY, OP_STALE = 2, 4  # besides channel.OP_HELLO and OP_ERROR
+OP_FILL, OP_GATHER = 10, 12  # GATHER: the learner wrote the rows into the slot (and OP_STOP)
 LIVENESS_EVERY = 0.5
 SAMPLING_ERRORS_BEFORE_REPORT = 10
 
@@ -81,7 +80,7 @@ class LearnerGone(Exception):
     """The learner process is gone: the worker exits quietly."""
 
 
-def sampler_main(cfg_bytes: bytes, sock: Any, worker_id: int, seed: Any) -> None:
+def sampler_main(sock: Any, cfg_bytes: bytes, worker_id: int, seed: Any) -> None:
     """Entry point of a sampler worker process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's; it stops us
     chan = Channel(sock)

@@ -151,6 +151,19 @@ class StagingRing:
     def set(self, s: int, word: int, value: int) -> None:
         self.words[self.layout.word(s, word)] = value
 
+    def assign(self, s: int, owner: int, generation: int) -> None:
+        """The learner hands slot ``s`` to worker ``owner`` (learner-side, while it holds ``s``)."""
+        self.set(s, W_GENERATION, generation)
+        self.set(s, W_OWNER, owner)
+        self.set(s, W_STATE, ASSIGNED)
+
+    def free(self, s: int, generation: int | None = None) -> None:
+        """Slot ``s`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
+        if generation is not None:
+            self.set(s, W_GENERATION, generation)
+        self.set(s, W_STATE, FREE)
+        self.set(s, W_OWNER, -1)
+
     def states(self) -> list[int]:
         return [self.get(s, W_STATE) for s in range(self.n_slots)]
 

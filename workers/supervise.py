@@ -1,10 +1,21 @@
-"""Supervision helpers shared by the sampler pool and actor groups: restart budgets and exits."""
+"""Supervision shared by ``SamplerPool`` and ``ActorGroup``: one set of child processes, each with
+its own ``Channel``, whose parent-side ends are closed in every forked child, restarted within a
+per-minute budget, and whose exits are described in words.
+"""
 
 from __future__ import annotations
 
 import collections
+import os
+import select
 import signal
 import time
+import weakref
+from typing import Any, Callable
+
+from .channel import OP_STOP, Channel
+
+READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 
 
 class RestartBudget:
@@ -37,6 +48,11 @@ class RestartBudget:
         self.total += 1
         return True
 
+    def exhausted(self) -> str:
+        """Why a restart was refused, for an error message."""
+        return (f"restart budget exhausted ({self.recent()} restarts in the last minute, max "
+                f"{self.per_minute:g}/min)")
+
 
 def describe_exit(exitcode: int | None) -> str:
     """'killed by SIGKILL (signal 9)', 'exited with code 1', or 'still running'."""
@@ -65,7 +81,7 @@ def self_inflicted(exitcode: int | None) -> bool:
     return exitcode > 0 or -exitcode not in _EXTERNAL_SIGNALS
 
 
-def stop_process(proc, timeout: float) -> None:
+def stop_process(proc: Any, timeout: float) -> None:
     """Join ``proc``; SIGTERM it after ``timeout``, SIGKILL it after as long again."""
     proc.join(timeout)
     if proc.exitcode is None:
@@ -74,3 +90,172 @@ def stop_process(proc, timeout: float) -> None:
     if proc.exitcode is None:
         proc.kill()
         proc.join(timeout)
+
+
+# -- the one at-fork hook -----------------------------------------------------------------------
+# Parent-side channel ends and wake-up fds: a forked child (a worker, an actor, anything) must not
+# keep them open, or a dead parent's children would never see end-of-file. Objects registered
+# here get ``_close_in_child()`` called in every forked child.
+_PARENT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def parent_only(obj: Any) -> None:
+    """Have ``obj._close_in_child()`` run in every child forked from now on (until ``forget``)."""
+    _PARENT_ONLY.add(obj)
+
+
+def forget(obj: Any) -> None:
+    _PARENT_ONLY.discard(obj)
+
+
+def _close_parent_only_in_child() -> None:
+    for obj in list(_PARENT_ONLY):
+        try:
+            obj._close_in_child()
+        except Exception:
+            pass
+
+
+os.register_at_fork(after_in_child=_close_parent_only_in_child)
+
+
+class Child:
+    """The parent's record of one supervised child; its ``child_id`` survives restarts."""
+
+    def __init__(self, child_id: int) -> None:
+        self.child_id = child_id
+        self.proc: Any = None
+        self.chan: Channel | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def describe_exit(self) -> str:
+        return describe_exit(self.proc.exitcode if self.proc is not None else None)
+
+
+class ChildSet:
+    """Child processes that each run ``target(sock, *args)`` with a socket of their own.
+
+    ``start`` (re)starts a child; ``wait`` blocks on messages, exits and ``wake()`` at once;
+    ``exited`` finds dead children without blocking; ``retire`` forgets a dead process;
+    ``may_restart`` spends the per-minute budget; ``stop`` asks, then terminates, then kills.
+
+    Concurrency: each channel has two ends, the parent's (here) and the child's; a record on it
+    has exactly one writer. The parent's end is set before the fork so the at-fork hook closes it
+    in the child (and in any later child): a child then sees end-of-file when the parent dies.
+    ``wake()`` may be called from another thread (it only writes the wake pipe).
+    """
+
+    def __init__(self, ctx: Any, target: Callable[..., Any], name: str,
+                 max_restarts_per_minute: float) -> None:
+        self.budget = RestartBudget(max_restarts_per_minute)
+        self.ctx, self.target, self.name = ctx, target, name
+        self.children: list[Any] = []
+        self.poller = select.poll()
+        self._wake_r, self._wake_w = os.pipe()
+        self.poller.register(self._wake_r, READABLE)
+        self._fd_owner: dict[int, tuple[str, Any]] = {self._wake_r: ("wake", None)}
+        parent_only(self)
+
+    def start(self, child: Child, *args: Any) -> None:
+        """Start (or restart) ``child`` as ``target(its socket, *args)``."""
+        chan, child_sock = Channel.pair()
+        proc = self.ctx.Process(target=self.target, args=(child_sock, *args),
+                                name=f"{self.name}-{child.child_id}", daemon=True)
+        # Known before the fork, so the at-fork hook closes the parent's end in the child.
+        child.chan = chan
+        if child not in self.children:
+            self.children.append(child)
+        try:
+            proc.start()
+        finally:
+            child_sock.close()
+        child.proc = proc
+        for fd, kind in ((chan.fd, "msg"), (proc.sentinel, "exit")):
+            self.poller.register(fd, READABLE)
+            self._fd_owner[fd] = (kind, child)
+
+    def wait(self, timeout: float) -> tuple[bool, list[Any], list[Any]]:
+        """Wait up to ``timeout`` s: (woken, children with messages, children whose process
+        ended). An exit is seen by its process sentinel, so it wakes the wait at once."""
+        events = self.poller.poll(max(0, int(timeout * 1000)))
+        woken, messages, exits = False, [], []
+        for fd, _ in events:
+            kind, child = self._fd_owner.get(fd, ("gone", None))
+            if kind == "wake":
+                woken = True
+            elif kind == "msg":
+                messages.append(child)
+            elif kind == "exit":
+                exits.append(child)
+        return woken, messages, exits
+
+    def exited(self) -> list[Any]:
+        """Children whose process has ended (by ``waitpid``, not the sentinel: a grandchild
+        that inherited the sentinel's write end would hide the exit). Never blocks."""
+        return [c for c in self.children if c.proc is not None and c.chan is not None
+                and not c.chan.closed and not c.proc.is_alive()]
+
+    def retire(self, child: Child) -> None:
+        """``child``'s process ended: reap it, stop watching it, close its channel."""
+        child.proc.join(1.0)
+        for fd in (child.chan.fd, child.proc.sentinel):
+            if self._fd_owner.pop(fd, None) is not None:
+                self.poller.unregister(fd)
+        child.chan.close()
+
+    def may_restart(self) -> bool:
+        """Spend one restart of the budget; False (nothing spent) if it is exhausted."""
+        return self.budget.try_spend()
+
+    @property
+    def restarts(self) -> int:
+        return self.budget.total
+
+    def wake(self) -> None:
+        """End a ``wait`` in progress (from another thread)."""
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+
+    def stop(self, timeout: float) -> None:
+        """Ask every child to stop; after ``timeout`` terminate, then kill. Idempotent."""
+        for child in self.children:
+            if child.chan is not None and not child.chan.closed:
+                try:
+                    child.chan.send(OP_STOP)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            if child.proc is not None:
+                stop_process(child.proc, max(0.1, deadline - time.monotonic()))
+            if child.chan is not None:
+                child.chan.close()
+        self.children = []
+
+    def close(self) -> None:
+        """After ``stop``: close the wake pipe. Idempotent."""
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        forget(self)
+
+    def _close_in_child(self) -> None:
+        """In a forked child: close every parent-side end; this copy supervises nobody."""
+        for child in self.children:
+            if child.chan is not None:
+                child.chan.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._wake_r = self._wake_w = -1
+        self.children = []

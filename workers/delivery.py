@@ -1,0 +1,332 @@
+"""Delivery: how filled batches reach the learner, behind one interface for both ways of filling.
+
+``Delivery`` holds what the two share: staging slots -> ``Batch`` (views, torch or JAX arrays,
+importance weights), their release, and the device side (``SlotFences``, ``DeviceStage``,
+page-locked staging, ``Batch.to``). ``InProcessDelivery`` (``delivery_local.py``) fills one slot
+in this process; ``RingDelivery`` (``delivery_ring.py``) takes slots that sampler workers filled.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shmbuf import ReplayBuffer
+from shmbuf.errors import ClosedError
+from shmbuf.priority import PriorityTable, importance_weights
+
+from .batch import Batch
+from .config import PoolConfig
+from .device import Backend, DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
+from .sampler_proc import can_sample
+from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
+from .supervise import ChildSet
+
+
+def device_backend(device: Any) -> Backend | None:
+    """The runtime for ``device=`` (None without one); raises at once if it is unusable."""
+    return make_backend(device) if device is not None else None
+
+
+@dataclass(frozen=True)
+class PoolParts:
+    """What a delivery works with; made (and closed) by ``SamplerPool``.
+
+    ``table``: priorities; workers draw from it unless ``select`` is set. ``select``: rows the
+    learner chooses itself (``CountedSelection`` or ``QueueSelection``), or None.
+    """
+
+    buf: ReplayBuffer
+    cfg: PoolConfig
+    compiled: Any  # shmbuf's compiled plan for (cfg.plan, cfg.fields)
+    out_arrays: list[tuple[str, tuple[int, ...], np.dtype]]
+    table: PriorityTable | None
+    select: Any
+    backend: Backend | None
+
+
+class Delivery:
+    """Hands the learner one filled slot at a time as a ``Batch`` and takes it back.
+
+    Subclasses provide ``next(timeout, step)``, ``slot_arrays(slot)``, ``slot_done(slot)`` and
+    their teardown; ``step`` is the number of batches delivered so far (for ``beta``).
+
+    Concurrency: learner thread only, except ``wake()`` (from ``close()`` in another thread),
+    which only sets ``closing`` and wakes a wait. A slot held by the learner is read by it and by
+    device copies it fenced in ``fences``; it goes back to be refilled once they all passed.
+    """
+
+    copies_for_jax = False  # JAX gets copies (private, reused memory) rather than views
+
+    def __init__(self, parts: PoolParts) -> None:
+        self.buf, self.cfg = parts.buf, parts.cfg
+        self.compiled, self.out_arrays = parts.compiled, parts.out_arrays
+        self.batch_size = parts.cfg.batch_size
+        self.out_fields = [name for name, _, _ in parts.out_arrays]
+        self.table, self.select = parts.table, parts.select
+        self.select_rng = np.random.default_rng(parts.cfg.seed.spawn(1)[0])
+        self.closing = False
+        self.failure: BaseException | None = None
+        self.views: list[dict[str, Any]] = []
+        self.gen = [0] * parts.cfg.n_staging
+        self.held: Batch | None = None
+        # (indices array, lanes) of recent batches: update_priorities finds a batch's lanes.
+        self.recent: collections.deque[tuple[Any, np.ndarray]] = collections.deque(maxlen=8)
+        self.fences = SlotFences()  # staging slots still read by device copies or JAX arrays
+        self.backend = parts.backend  # device runtime: for device=, and pinned host batches
+        self.stage: DeviceStage | None = None
+        self.backends: dict[str, Backend] = {}  # Batch.to(device) targets
+        self.jax: JaxViews | None = None  # output="jax"
+        self.jax_fence: Any = None  # of the held batch's arrays
+        self.pinned: Any = None  # (torch, pointer) of a page-locked staging ring
+        self.occupancy_sum = 0.0  # ready slots seen by each next(), summed
+        self.children: ChildSet | None = None  # processes filling the slots, if any
+
+    # -- the interface ----------------------------------------------------------------------------
+    def next(self, timeout: float, step: int) -> Batch:
+        raise NotImplementedError
+
+    def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
+        """The NumPy arrays of ``slot`` (fields, indices, lanes, weights, probabilities)."""
+        raise NotImplementedError
+
+    def slot_done(self, slot: int) -> None:
+        """The learner and every fenced copy are done with ``slot``."""
+
+    def mark_held(self, slot: int) -> None:
+        """The learner takes ``slot`` (recorded in shared memory by the staging ring)."""
+
+    @property
+    def ready_count(self) -> int:
+        return 0
+
+    def workers(self) -> list[Any]:
+        """The processes that fill slots (``supervise.Child`` records), if any."""
+        return self.children.children if self.children is not None else []
+
+    @property
+    def restarts(self) -> int:
+        return self.children.restarts if self.children is not None else 0
+
+    def selected_pending(self) -> int:
+        """Batches of learner-selected rows handed out and not yet gathered."""
+        return 0
+
+    def waiting_for(self) -> str:
+        """What a ``next()`` that timed out was waiting for, and what to do about it."""
+        buf, cfg = self.buf, self.cfg
+        size = len(buf)
+        if size < cfg.min_size:
+            return (f"the buffer holds {size} of min_size={cfg.min_size} transitions; are the "
+                    f"actors writing to {buf.name!r}?")
+        if cfg.limit is not None:
+            _, limit, base, n = buf._limiter.read()
+            if limit is not None:
+                inserts = buf._limiter.total_committed() - base
+                samples = buf._limiter.samples(n)
+                if not limit.can_sample(inserts, samples, self.batch_size):
+                    return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
+                            f"{samples}, samples_per_insert {limit.samples_per_insert}): actors "
+                            f"are not inserting fast enough")
+        if len(self.fences) == cfg.n_staging:
+            return (f"all {cfg.n_staging} staging slots are still read by device copies or "
+                    f"by arrays of earlier batches (output={cfg.output!r}): drop arrays of old "
+                    f"batches (copy what you keep), or raise n_staging")
+        alive = sum(1 for w in self.workers() if w.alive)
+        return f"{alive} of {cfg.n_workers} workers alive, none has a batch ready"
+
+    def wake(self) -> None:
+        """``close()`` from any thread: end the learner's wait with ``ClosedError``."""
+        self.closing = True
+        if self.children is not None:
+            self.children.wake()
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise ClosedError("the SamplerPool is closed")
+
+    # -- slots to batches -------------------------------------------------------------------------
+    def may_select(self) -> bool:
+        """May the learner select a batch now? ``min_size`` and ``samples_per_insert`` hold back
+        learner-selected rows (``max_times_sampled``, the queue) as they hold back workers'
+        own draws. Batches selected but not yet gathered count as sampled already: their
+        workers add them to the limiter's sample count only once they are gathered."""
+        limiter = self.buf._limiter if self.cfg.limit is not None else None
+        return can_sample(self.buf, limiter, self.cfg.min_size,
+                          self.batch_size * (1 + self.selected_pending()))
+
+    def take_slot(self, slot: int, step: int) -> dict[str, Any]:
+        """The learner takes a ready slot: mark it HELD, fill in its importance weights."""
+        self.mark_held(slot)
+        if self.table is not None:  # importance weights with this batch's beta
+            arrays = self.slot_arrays(slot)
+            arrays[WEIGHTS][...] = importance_weights(arrays[PROBS], float(arrays[PMIN][0]),
+                                                      self.cfg.beta(step))
+        return self.views[slot]
+
+    def hold(self, slot: int, step: int) -> Batch:
+        v = self.take_slot(slot, step)
+        if self.jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
+            v, fence = self.jax.wrap({**{n: v[n] for n in self.out_fields},
+                                     INDICES: v[INDICES], LANES: v[LANES], WEIGHTS: v[WEIGHTS]},
+                                     copy=self.copies_for_jax, host_keys=(INDICES, LANES))
+            self.jax_fence = fence
+        batch = Batch(
+            {n: v[n] for n in self.out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
+            self.release_batch, slot, self.gen[slot],
+            to_fn=self.batch_to if self.cfg.output == "torch" else None,
+        )
+        if self.table is not None:
+            self.recent.append((v[INDICES], np.array(v[LANES])))
+        self.held = batch
+        return batch
+
+    def release_batch(self, batch: Batch) -> None:
+        if batch is not self.held:
+            return
+        self.held = None
+        if self.pinned is not None and self.backend is not None:
+            # A copy the learner issued on its current stream may still be reading the slot.
+            self.fences.add(batch.slot, self.backend.record_current())
+        self.release_jax(batch.slot)
+        self.slot_done(batch.slot)
+
+    def release_jax(self, slot: int) -> None:
+        """The slot of a released JAX batch waits until JAX has let go of its arrays."""
+        if self.jax_fence is not None:
+            self.fences.add(slot, self.jax_fence)
+            self.jax_fence = None
+
+    def batch_to(self, batch: Batch, device: Any) -> dict[str, Any]:
+        """``Batch.to(device)``: fenced copies of a host batch (see ``Batch.to``)."""
+        backend = self.backend
+        if backend is None or str(backend.device) != str(device):  # type: ignore[attr-defined]
+            backend = self.backends.get(str(device))
+            if backend is None:
+                backend = self.backends[str(device)] = make_backend(device)
+        arrays = {n: batch[n] for n in batch}
+        arrays.update(indices=batch.indices, lanes=batch.lanes, weights=batch.weights)
+        slot = batch.slot
+        return fenced_copy(backend, arrays, lambda fence: self.fences.add(slot, fence),
+                           host_keys=("indices", "lanes"))
+
+    # -- device delivery --------------------------------------------------------------------------
+    def submit_slot(self, slot: int, step: int) -> None:
+        """Enqueue the copy of ``slot`` to a device buffer; fence the slot with it."""
+        v = self.take_slot(slot, step)
+        host = {n: v[n] for n in self.out_fields}
+        host[WEIGHTS] = v[WEIGHTS]
+        tag = (self.gen[slot], v[INDICES].clone(), v[LANES].clone())
+        try:
+            self.fences.add(slot, self.stage.submit(host, tag))  # type: ignore[union-attr]
+        except BaseException:
+            try:  # copies enqueued before the failure may still read the slot
+                self.fences.add(slot, self.stage.backend.record_copy())  # type: ignore[union-attr]
+            finally:
+                self.slot_done(slot)
+            raise
+
+    def hold_device(self) -> Batch:
+        d, arrays, (gen, indices, lanes) = self.stage.take()  # type: ignore[union-attr]
+        batch = Batch({n: arrays[n] for n in self.out_fields}, indices, lanes, arrays[WEIGHTS],
+                      self.release_device_batch, d, gen)
+        if self.table is not None:
+            self.recent.append((indices, lanes.numpy()))
+        self.held = batch
+        return batch
+
+    def release_device_batch(self, batch: Batch) -> None:
+        if batch is not self.held:
+            return
+        self.held = None
+        self.stage.give_back(batch.slot)  # type: ignore[union-attr]
+
+    # -- views ------------------------------------------------------------------------------------
+    def make_views(self, slots: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        """Per slot: the learner's views (fields plus the internal arrays)."""
+        cfg = self.cfg
+        if cfg.output in ("numpy", "jax"):
+            if cfg.pin_memory:
+                warnings.warn("pin_memory=True only applies to output='torch'", stacklevel=5)
+            if cfg.output == "jax":
+                self.jax = JaxViews()
+            return [dict(s) for s in slots]
+        try:
+            import torch
+        except ImportError:
+            raise ImportError(
+                "output='torch' needs PyTorch: pip install 'shmbuf[torch]' (or torch)"
+            ) from None
+        if self.backend is not None:  # device=: pinned staging, a ring of device buffers
+            if getattr(self.backend, "cuda", False):
+                self.pin(torch)
+            arrays = [(n, tuple(slots[0][n].shape), slots[0][n].dtype)
+                      for n in [*self.out_fields, WEIGHTS]]
+            self.stage = DeviceStage(self.backend, arrays, cfg.device_prefetch)
+        elif cfg.pin_memory:
+            self.pin(torch)
+            if self.pinned is not None:  # releases are fenced on the current CUDA stream
+                self.backend = make_backend("cuda")
+        return [{k: torch.from_numpy(v) for k, v in s.items()} for s in slots]
+
+    def shared_memory(self) -> tuple[Any, int, int] | None:
+        """(mapping, offset, length) of the staging slots if they are shared memory."""
+        return None
+
+    def pin(self, torch: Any) -> None:
+        """Page-lock the staging ring. Private in-process slots are not pinned: copies from
+        them are synchronous, and they are refilled only after their fences pass anyway."""
+        if not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but CUDA is not available; staging stays pageable",
+                          stacklevel=6)
+            return
+        span = self.shared_memory()
+        if span is None:
+            return
+        mem, offset, length = span
+        ptr = np.frombuffer(mem, np.uint8, count=length, offset=offset).ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, length, 0)
+        if int(err) != 0:
+            warnings.warn(f"cudaHostRegister of the staging ring failed ({err}); staying pageable",
+                          stacklevel=6)
+            return
+        self.pinned = (torch, ptr)
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def release_held(self) -> None:
+        """Teardown, first step: invalidate the held batch; fence what may still read it."""
+        if self.held is not None:
+            if self.pinned is not None and self.backend is not None and self.stage is None:
+                # The learner's own async copies of the held batch: wait for them below.
+                self.fences.add(self.held.slot, self.backend.record_current())
+            self.release_jax(self.held.slot)
+            self.held._invalidate()
+            self.held = None
+        self.recent.clear()  # (JAX) arrays of recent batches may fence their slots
+
+    def stop(self, timeout: float) -> None:
+        """Teardown, second step: stop whatever fills slots."""
+
+    def settle(self, deadline: float) -> bool:
+        """Teardown, third step: wait (until ``deadline``) for device copies that read staging
+        memory; True if they all completed."""
+        settled = self.fences.drain(max(0.1, deadline - time.monotonic()))
+        if self.stage is not None:
+            settled = self.stage.drain(max(0.1, deadline - time.monotonic())) and settled
+            self.stage.close()
+            self.stage = None
+        return settled
+
+    def close(self, settled: bool, timeout: float) -> None:
+        """Teardown, last step: unpin and drop the staging memory."""
+        if self.pinned is not None:
+            torch, ptr = self.pinned
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+            self.pinned = None
+        self.views = []
+        self.table = self.select = None  # closed by the pool; they view the buffer

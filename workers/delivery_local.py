@@ -1,0 +1,119 @@
+"""``n_workers=0``: batches are drawn, gathered and transformed in the learner's own process, into
+one private slot that is reused, and delivered behind the same interface as the staging ring.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shmbuf.errors import Timeout
+
+from .batch import Batch
+from .delivery import Delivery, PoolParts
+from .sampler_proc import can_sample
+from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
+
+
+class InProcessDelivery(Delivery):
+    """One private slot (slot 0), filled by ``next()`` itself.
+
+    Concurrency: this process only; the slot is refilled once the previous batch's device copies
+    (``device=``, ``Batch.to``) have completed. Sampled rows are counted in the buffer's limiter
+    under sampler 0, the only word this pool writes there.
+    """
+
+    copies_for_jax = True
+
+    def __init__(self, parts: PoolParts) -> None:
+        super().__init__(parts)
+        cfg, compiled, b = parts.cfg, parts.compiled, parts.cfg.batch_size
+        self.local: dict[str, np.ndarray] = {n: np.empty((b, *s), d) for n, s, d in parts.out_arrays}
+        self.local.update({
+            INDICES: np.zeros((b, *compiled.index_shape), np.int64),
+            LANES: np.zeros(b, np.int64), WEIGHTS: np.ones(b, np.float32),
+            PROBS: np.zeros(b, np.float64), PMIN: np.zeros(1, np.float64),
+        })
+        # Without a transform rows are gathered straight into the slot; with one, into scratch.
+        self.scratch = compiled.allocate(b) if cfg.transform is not None else None
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def start(self) -> None:
+        self.views = self.make_views([self.local])
+
+    def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
+        return self.local
+
+    def next(self, timeout: float, step: int) -> Batch:
+        buf, cfg = self.buf, self.cfg
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        limiter = buf._limiter if cfg.limit is not None else None
+        target = self.local if cfg.transform is None else self.scratch
+        self._wait_local_copies(deadline, timeout)
+        out = {n: target[n] for n, _, _ in self.compiled.outputs}
+        while True:
+            rows = None
+            if self.select is not None:
+                rows = self.select.select(self.batch_size, self.select_rng) if self.may_select() else None
+                if rows is not None:
+                    if buf._gather(rows[0], rows[1], out).all():
+                        self.select.gathered(0)  # in our memory now: writers may reuse slots
+                        break
+                    self.select.stale(rows)  # overwritten meanwhile: select again
+                    continue
+            elif can_sample(buf, limiter, cfg.min_size, self.batch_size):
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 2e-3)
+            self.check_open()  # close() from another thread ends the wait
+        if rows is not None:
+            lanes, indices, probs, pmin = rows
+        else:
+            if self.table is not None:
+                draw = buf.sample_into(out, self.rng, sampler=self.table.draw)
+            else:
+                draw = buf.sample_into(out, self.rng, plan=self.compiled)
+            lanes, indices, probs, pmin = draw.lanes, draw.indices, draw.probs, draw.pmin
+        local = self.local
+        if cfg.transform is not None:
+            batch = dict(self.scratch)  # type: ignore[arg-type]
+            result = cfg.transform(batch)
+            result = batch if result is None else result
+            for name in self.out_fields:
+                np.copyto(local[name], np.asarray(result[name]), casting="same_kind")
+        local[INDICES][...] = indices
+        local[LANES][...] = lanes
+        if probs is not None:
+            local[PROBS][...], local[PMIN][0] = probs, pmin
+        if limiter is not None:
+            q = buf._q
+            c = limiter.counter_index(0)
+            q[c] = q[c] + self.batch_size
+        if self.stage is not None:
+            self.submit_slot(0, step)
+            return self.hold_device()
+        return self.hold(0, step)
+
+    def _wait_local_copies(self, deadline: float, timeout: float) -> None:
+        """The slot is reused: gather again only after the copies that read the last batch
+        (``device=``, ``Batch.to``) have completed."""
+        pause = 5e-5
+        while len(self.fences):
+            self.fences.completed()
+            if not len(self.fences):
+                return
+            if time.monotonic() >= deadline:
+                raise Timeout(f"no batch within {timeout}s: device copies of the previous batch "
+                              f"have not completed")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def close(self, settled: bool, timeout: float) -> None:
+        super().close(settled, timeout)
+        self.local = {}
+        self.scratch = None

@@ -1,0 +1,356 @@
+"""Staging-ring delivery: sampler worker processes fill shared-memory slots the learner assigns
+them; the learner takes ready slots as views, hands them back, and supervises the workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from shmbuf.errors import BufferInUseError, Timeout, WorkerDiedError, WorkerError
+
+from .batch import Batch
+from .channel import OP_ERROR, OP_HELLO
+from .delivery import Delivery, PoolParts
+from .sampler_proc import OP_FILL, OP_GATHER, OP_READY, OP_STALE, SamplerConfig, sampler_main
+from .selection import QueueSelection
+from .staging import (
+    HELD,
+    INDICES,
+    LANES,
+    PMIN,
+    PROBS,
+    W_STATE,
+    WEIGHTS,
+    StagingRing,
+)
+from .supervise import Child, ChildSet, self_inflicted
+
+POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
+
+# Staging rings a device may still be reading when their pool closed: kept mapped until exit.
+_IN_FLIGHT_RINGS: list[StagingRing] = []
+
+
+class _WorkerHandle(Child):
+    """The learner's record of one sampler worker (its id and slots survive restarts)."""
+
+    def __init__(self, wid: int, slots: list[int]) -> None:
+        super().__init__(wid)
+        self.wid = wid
+        self.slots = slots  # staging slots this worker fills, fixed for the pool's life
+        self.hello = False
+        # Told to fill, not reported ready yet; a dict for its order: after a death the lost
+        # slots are handed out again in the order they were first assigned.
+        self.assigned: dict[int, None] = {}
+        self.ready: collections.deque[int] = collections.deque()
+        self.startup_failures = 0
+        self.batches = 0
+
+
+class RingDelivery(Delivery):
+    """Slot ``s`` belongs to worker ``s % n_workers``; it moves FREE -> ASSIGNED -> (FILLING ->
+    READY, the worker's) -> HELD -> back to its worker.
+
+    Concurrency: the learner (this process) owns the staging segment and writes a slot's control
+    words while it holds the slot; the worker writes them (and the slot's data) between FILL
+    and READY. A worker that dies mid-fill has its slots reclaimed (generation bumped) and is
+    restarted within the budget; a half-filled slot is never delivered. Workers exit by
+    themselves when the learner dies (their channel reaches end-of-file).
+    """
+
+    def __init__(self, parts: PoolParts, ctx: Any) -> None:
+        super().__init__(parts)
+        self.ctx = ctx
+        self.ring: StagingRing | None = None
+        self.slot_rows: dict[int, Any] = {}  # learner-selected rows of each assigned slot
+        self.waiting: list[int] = []  # slots with no rows to select yet
+        self.ready: collections.deque[tuple[int, int]] = collections.deque()  # (wid, slot)
+        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
+
+    def start(self) -> None:
+        """Create the ring, start the workers, hand every slot out (the pool cleans up a
+        half-done start with ``stop`` and ``close``)."""
+        cfg, b = self.cfg, self.batch_size
+        arrays = [(n, (b, *s), d) for n, s, d in self.out_arrays]
+        arrays += [(INDICES, (b, *self.compiled.index_shape), np.int64),
+                   (LANES, (b,), np.int64), (WEIGHTS, (b,), np.float32),
+                   (PROBS, (b,), np.float64), (PMIN, (1,), np.float64)]
+        ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
+                                              {"buffer": self.buf.name, "batch_size": b})
+        for s in range(cfg.n_staging):
+            ring.slot(s)[WEIGHTS][...] = 1.0
+        worker_cfg = SamplerConfig(
+            buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
+            out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
+            rate_limited=cfg.limit is not None, plan=self.compiled.plan,
+            priority_table=(self.table.name if self.table is not None and self.select is None
+                            else None),
+        )
+        self.cfg_bytes = cloudpickle.dumps(worker_cfg)
+        self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
+        self.children = ChildSet(self.ctx, sampler_main, "shmbuf-sampler",
+                                 cfg.max_restarts_per_minute)
+        n = cfg.n_workers
+        for wid, seed in enumerate(cfg.seed.spawn(n)):
+            self._start_worker(_WorkerHandle(wid, list(range(wid, cfg.n_staging, n))), seed, [])
+        # Slots in order, so worker s % n gets slot s: the same round-robin that ordered
+        # delivery follows, so batches leave in the order they were assigned.
+        for slot in range(cfg.n_staging):
+            self._assign(self.workers()[slot % n], slot)
+
+    # -- the interface ----------------------------------------------------------------------------
+    def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
+        return self.ring.slot(slot)  # type: ignore[union-attr]
+
+    def mark_held(self, slot: int) -> None:
+        self.ring.set(slot, W_STATE, HELD)  # type: ignore[union-attr]
+
+    @property
+    def ready_count(self) -> int:
+        return len(self.ready)
+
+    def selected_pending(self) -> int:
+        return sum(len(w.assigned) for w in self.workers())
+
+    def shared_memory(self) -> tuple[Any, int, int] | None:
+        offset, length = self.ring.slot_span()  # type: ignore[union-attr]
+        return self.ring.seg.buf, offset, length  # type: ignore[union-attr]
+
+    # -- taking batches ---------------------------------------------------------------------------
+    def next(self, timeout: float, step: int) -> Batch:
+        deadline = time.monotonic() + timeout
+        self.occupancy_sum += len(self.ready) / self.cfg.n_staging
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            self._reap_fences()
+            if self.stage is not None:
+                self._submit_ready(step)
+                if len(self.stage):
+                    return self.hold_device()
+            else:
+                slot = self._pop_ready()
+                if slot is not None:
+                    return self.hold(slot, step)
+            if self.waiting:
+                self._retry_waiting()
+            if self.table is not None and self.select is None:
+                self.table.sync(self.buf)  # workers may be waiting for rows to enter
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
+            quick = self.waiting or self.table is not None
+            # Slots held back by copies in flight come free within microseconds to milliseconds.
+            pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
+            self._poll(min(remaining, pause))
+
+    def _pop_ready(self) -> int | None:
+        if self.cfg.ordered:  # the oldest assignment first, once it is ready
+            if not self.order:
+                return None
+            slot = self.order[0]
+            w = self.workers()[slot % self.cfg.n_workers]
+            if slot not in w.ready:
+                return None
+            self.order.popleft()
+            w.ready.remove(slot)
+            self.ready.remove((w.wid, slot))
+            return slot
+        if not self.ready:
+            return None
+        wid, slot = self.ready.popleft()
+        self.workers()[wid].ready.remove(slot)
+        return slot
+
+    def _poll(self, timeout: float) -> None:
+        """Wait for messages, deaths or a wake-up; handle them."""
+        woken, messages, exits = self.children.wait(timeout)  # type: ignore[union-attr]
+        if woken:
+            # Only close() writes the wake pipe, and it may be closing the pipe right now
+            # in another thread: do not read it, just report the close.
+            self.check_open()
+        for w in messages:
+            self._receive(w)
+        self.check_open()  # closed by another thread meanwhile: restart nobody
+        for w in exits:
+            self._on_exit(w)
+
+    def _submit_ready(self, step: int) -> None:
+        """Copy ready slots to the device while device buffers are free; each slot goes back to
+        the workers once its copy has completed."""
+        while self.stage.can_submit():  # type: ignore[union-attr]
+            slot = self._pop_ready()
+            if slot is None:
+                return
+            self.submit_slot(slot, step)
+            self.slot_done(slot)
+
+    # -- giving slots back ------------------------------------------------------------------------
+    def slot_done(self, slot: int) -> None:
+        """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
+        self.slot_rows.pop(slot, None)
+        if self.closing or self.ring is None or self.failure is not None:
+            return
+        if not self.fences.busy(slot):
+            self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+
+    def _reap_fences(self) -> None:
+        """Hand back to the workers every slot whose device copies have completed."""
+        if not len(self.fences):
+            return
+        for slot in self.fences.completed(in_order=self.cfg.ordered):
+            if not self.closing and self.ring is not None and self.failure is None:
+                self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+
+    def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
+        """Hand ``slot`` to ``w``: to sample (``FILL``), or with learner-selected rows written
+        into it (``GATHER``). Rows already selected for the slot are kept: after a worker death
+        the same rows are gathered again, so queue mode still delivers each exactly once."""
+        ring = self.ring
+        assert ring is not None
+        op = OP_FILL
+        if self.select is not None:
+            rows = self.slot_rows.get(slot)
+            if rows is None:
+                rows = (self.select.select(self.batch_size, self.select_rng)
+                        if self.may_select() else None)
+                if rows is None:  # nothing to select now: retried from next()
+                    ring.free(slot)
+                    self.waiting.append(slot)
+                    if slot in self.order:  # it gets a new place once it has rows again
+                        self.order.remove(slot)
+                    return
+                self.slot_rows[slot] = rows
+                if isinstance(self.select, QueueSelection):
+                    self.select.track(slot, rows)
+            v = ring.slot(slot)
+            v[LANES][...], v[INDICES][...] = rows[0], rows[1]
+            if rows[2] is not None:
+                v[PROBS][...], v[PMIN][0] = rows[2], rows[3]
+            op = OP_GATHER
+        self.gen[slot] += 1
+        ring.assign(slot, w.wid, self.gen[slot])
+        w.assigned[slot] = None
+        if requeue and self.cfg.ordered:
+            self.order.append(slot)  # (a slot handed out again keeps its place)
+        try:
+            w.chan.send(op, slot, self.gen[slot])  # type: ignore[union-attr]
+        except OSError:
+            pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def _retry_waiting(self) -> None:
+        for slot in self.waiting[:]:
+            self.waiting.remove(slot)
+            self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+            if self.waiting and self.waiting[-1] == slot:
+                break  # still nothing to select; the others would find nothing either
+
+    # -- workers ----------------------------------------------------------------------------------
+    def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
+                      fill: list[int]) -> None:
+        """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
+        self.children.start(w, self.cfg_bytes, w.wid, seed)  # type: ignore[union-attr]
+        w.hello = False
+        for s in fill:
+            self._assign(w, s, requeue=False)
+
+    def _receive(self, w: _WorkerHandle) -> None:
+        """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
+        msgs, _ = w.chan.receive()  # type: ignore[union-attr]
+        for op, slot, gen, text in msgs:
+            if op == OP_READY:
+                if slot in w.assigned and gen == self.gen[slot]:
+                    w.assigned.pop(slot, None)
+                    w.ready.append(slot)
+                    self.ready.append((w.wid, slot))
+                    w.batches += 1
+                    if self.select is not None:
+                        self.select.gathered(slot)
+            elif op == OP_STALE:  # learner-selected rows were overwritten before the gather
+                if slot in w.assigned and gen == self.gen[slot]:
+                    w.assigned.pop(slot, None)
+                    self.select.stale(self.slot_rows.pop(slot))
+                    self.select.gathered(slot)
+                    self._assign(w, slot, requeue=False)
+            elif op == OP_HELLO:
+                w.hello = True
+                w.startup_failures = 0
+            elif op == OP_ERROR:
+                self._fail(WorkerError(
+                    f"sampler worker {w.wid} (pid {w.proc.pid}) raised; its traceback:\n"
+                    f"{text.decode('utf-8', 'replace')}"
+                ))
+
+    def _on_exit(self, w: _WorkerHandle) -> None:
+        """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
+        self._receive(w)
+        if self.failure is not None:
+            return
+        children, ring = self.children, self.ring
+        assert children is not None and ring is not None
+        children.retire(w)
+        pid, how = w.proc.pid, w.describe_exit()
+        lost = list(w.assigned)
+        for s in lost:  # half-filled or never started: nobody writes them any more
+            self.gen[s] += 1
+            ring.free(s, self.gen[s])
+        w.assigned.clear()
+        if not w.hello and self_inflicted(w.proc.exitcode):
+            w.startup_failures += 1
+        if w.startup_failures >= 2:
+            self._fail(WorkerDiedError(
+                f"sampler worker {w.wid} (pid {pid}) {how} during start-up, twice in a row; not "
+                f"restarting it. Check that the buffer {self.buf.name!r} is reachable and the "
+                f"transform imports in a fresh process (start method "
+                f"{self.ctx.get_start_method()!r})"
+            ))
+            return
+        if not children.may_restart():
+            self._fail(WorkerDiedError(
+                f"sampler worker {w.wid} (pid {pid}) {how}; {children.budget.exhausted()}. Fix "
+                f"the cause, or raise max_restarts_per_minute"
+            ))
+            return
+        # Slots it finished stay READY and are delivered; the new process refills the lost ones.
+        self._start_worker(w, self.cfg.seed.spawn(1)[0], lost)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def stop(self, timeout: float) -> None:
+        if self.children is not None:
+            self.children.stop(timeout)
+
+    def close(self, settled: bool, timeout: float) -> None:
+        """Unpin and drop the ring; if device copies may still read it, keep it mapped."""
+        if not settled and self.ring is not None:
+            _keep_mapped(self.ring, timeout)
+            self.ring = None
+            self.pinned = None  # stays page-locked with its mapping
+        super().close(settled, timeout)
+        if self.ring is not None:
+            try:
+                self.ring.close()
+            except BufferInUseError as e:
+                warnings.warn(str(e), ResourceWarning, stacklevel=4)
+            self.ring = None
+        if self.children is not None:
+            self.children.close()
+
+
+def _keep_mapped(ring: StagingRing, timeout: float) -> None:
+    """Device copies still read ``ring`` after ``timeout``: unlink its name, keep its memory."""
+    warnings.warn(
+        f"device copies from staging ring {ring.name!r} were still in flight after "
+        f"{timeout}s; its name is removed but its memory stays mapped (and page-locked) "
+        f"until this process exits", ResourceWarning, stacklevel=5)
+    _IN_FLIGHT_RINGS.append(ring)
+    ring.seg.unlink()
