@@ -51,7 +51,8 @@ class StaleIndexError(ShmbufError, IndexError):
 
 
 class InvalidPriorityError(ShmbufError, ValueError):
-    """A priority was NaN, infinite or negative; nothing was updated."""
+    """A priority was NaN, infinite, negative or so large that a sum of the tree could overflow;
+    nothing was updated."""
 
 
 class CheckpointError(ShmbufError, ValueError):
