@@ -12,29 +12,27 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from . import layout as L
 from . import slots
+from ._recycle import Recycler
+from ._util import _positive_int, _timeout
 from .errors import (
     ClosedError,
     LaneBusyError,
     SamplingError,
-    SegmentFormatError,
     SpecMismatchError,
     StaleIndexError,
 )
-from ._recycle import Recycler
-from ._util import _positive_int, _ring_segments, _timeout  # noqa: F401 (re-exported)
-from .episodes import EpisodeTable
-from .limiter import LimiterBlock, RateLimit
+from .limiter import RateLimit
 from .sampling import Draw, Windows, draw_uniform
 from .sampling.plan import Compiled, Plan, compile_plan
-from .segment import Lease, Segment
-from .spec import RowChecker, Spec
+from .spec import Spec
+from .storage import BufferStorage
 from .writer import Writer
 
 RECYCLE_MIN_BYTES = 64 * 1024  # sample() recycles output arrays at least this large ...
@@ -75,87 +73,30 @@ class ReplayBuffer:
         ...     batch = buf.sample(8)
     """
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, storage: BufferStorage) -> None:
         """Internal: use ``ReplayBuffer.create`` or ``ReplayBuffer.attach``."""
-        doc = segment.header.doc
-        # The header is untrusted (segment.read_header checked its shape and ranges): any
-        # failure to make sense of it is a SegmentFormatError, with the segment closed.
-        try:
-            self._spec = Spec.from_json(doc["spec"])
-            capacity, lanes = int(doc["capacity"]), int(doc["lanes"])
-            ep_doc = doc.get("episode_spec") or []
-            self._episode_spec = Spec.from_json(ep_doc) if ep_doc else None
-            episode_capacity = int(doc.get("episode_capacity", 0))
-            self.derived_next_obs = doc.get("next_obs", "stored") == "derived"
-            json_len = len(L.encode_layout(doc))
-            self._layout = L.buffer_layout(
-                _field_tuples(self._spec), capacity, lanes, json_len,
-                _field_tuples(self._episode_spec) if self._episode_spec else [], episode_capacity)
-        except (KeyError, TypeError, ValueError, OverflowError, RecursionError, MemoryError) as e:
-            segment.close()
-            raise SegmentFormatError(
-                f"segment {segment.name!r} has a malformed layout ({type(e).__name__}: "
-                f"{str(e)[:200]}); it was not made by this shmbuf"
-            ) from None
-        if self._layout.total_size != segment.header.total_size:
-            segment.close()
-            raise SegmentFormatError(
-                f"segment {segment.name!r}: layout says {self._layout.total_size} bytes, header "
-                f"says {segment.header.total_size}; it was made by an incompatible shmbuf"
-            )
-        self._seg = segment
+        self._storage = storage
+        self._seg = storage.segment
+        self._spec = storage.spec
+        self._layout = storage.layout
+        self.derived_next_obs = storage.derived_next_obs
+        self._gather = storage.gather  # bound once: sample() calls it per batch
+        self._words = storage.words
         self._closed = False
         self._writers: weakref.WeakSet[Any] = weakref.WeakSet()  # Writers, VectorWriters
         self._default_rng = np.random.default_rng()
-        self._checker: RowChecker | None = None
         self._compiled: dict[Any, Compiled] = {}
         self._readers: dict[int, Any] = {}
         self._store_writer: Writer | None = None
         self._recycled: dict[tuple[str, tuple[int, ...], str], Recycler] = {}
         self._zero_lanes: dict[int, np.ndarray] = {}
-        self._lane0_committed = self._layout.lane_word(0, L.LANE_COMMITTED) // 8
-        self._lane0_reserved = self._layout.lane_word(0, L.LANE_RESERVED) // 8
-        self._map_views()
+        self._lane0_committed = storage.word_index(0, L.LANE_COMMITTED)
+        self._lane0_reserved = storage.word_index(0, L.LANE_RESERVED)
 
-    def _map_views(self) -> None:
-        mm, lay = self._seg.buf, self._layout
-        self._q = memoryview(mm).cast("q")
-        lanes = np.frombuffer(
-            mm, "<i8", count=lay.lanes * L.LANE_LINES * L.WORDS_PER_LINE, offset=lay.lane_offset
-        ).reshape(lay.lanes, L.LANE_LINES, L.WORDS_PER_LINE)
-        self._lane_words = lanes
-        self._committed_v = lanes[:, L.LANE_COMMITTED, 0]
-        self._reserved_v = lanes[:, L.LANE_RESERVED, 0]
-        self._stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
-        self._meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
-        self._cols = {
-            c.name: np.frombuffer(
-                mm, c.dtype, count=int(np.prod(c.shape, dtype=np.int64)), offset=c.offset
-            ).reshape(c.shape)
-            for c in lay.columns
-        }
-        self._limiter = LimiterBlock(self._q, mm, lay)
-        self._episodes = None
-        if lay.episode_capacity:
-            ep_cols = {
-                c.name: np.frombuffer(
-                    mm, c.dtype, count=int(np.prod(c.shape, dtype=np.int64)), offset=c.offset
-                ).reshape(c.shape)
-                for c in lay.episode_columns
-            }
-            self._episodes = EpisodeTable(ep_cols, lay.episode_capacity, lay.lanes,
-                                          self._episode_spec)
-
-    def _drop_views(self) -> None:
-        self._lane_words = self._committed_v = self._reserved_v = None  # type: ignore[assignment]
-        self._stamps = self._meta = None  # type: ignore[assignment]
-        self._cols = {}
-        self._episodes = None
-        self._readers = {}
-        self._limiter = None  # type: ignore[assignment]
-        if self._q is not None:
-            self._q.release()
-            self._q = None  # type: ignore[assignment]
+    @property
+    def storage(self) -> BufferStorage:
+        """The segment and its named views (internal, for writers, readers and ``workers``)."""
+        return self._storage
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -191,39 +132,13 @@ class ReplayBuffer:
             CapacityError: /dev/shm has too little room (the message says how to give it more).
             SegmentExistsError: ``name`` is taken.
         """
-        spec = spec if isinstance(spec, Spec) else Spec(spec)
-        capacity, lanes = _positive_int("capacity", capacity), _positive_int("lanes", lanes)
-        if lanes > L.MAX_LANES:
-            raise ValueError(f"lanes must be <= {L.MAX_LANES}, got {lanes}")
-        if next_obs not in ("stored", "derived"):
-            raise ValueError(f"next_obs must be 'stored' or 'derived', got {next_obs!r}")
-        if next_obs == "derived" and ("obs" not in spec or "next_obs" in spec):
-            raise SpecMismatchError(
-                f"next_obs='derived' stores 'obs' only and derives 'next_obs' from the next "
-                f"step: the spec needs an 'obs' field and no 'next_obs' field; it has "
-                f"{', '.join(spec)}"
-            )
-        if episode_spec is not None and not isinstance(episode_spec, Spec):
-            episode_spec = Spec(episode_spec)
-        if episode_capacity is None:
-            episode_capacity = max(64, capacity // 8)
-        episode_capacity = _positive_int("episode_capacity", episode_capacity)
-        doc = {"kind": "buffer", "spec": spec.to_json(), "capacity": capacity, "lanes": lanes,
-               "next_obs": next_obs, "episode_capacity": episode_capacity,
-               "episode_spec": episode_spec.to_json() if episode_spec else []}
-        fields = _field_tuples(spec)
-        ep_fields = _field_tuples(episode_spec) if episode_spec else []
-
-        def size_of(json_len: int) -> int:
-            return L.buffer_layout(fields, capacity, lanes, json_len, ep_fields,
-                                   episode_capacity).total_size
-
-        return cls(Segment.create(name, L.KIND_BUFFER, doc, size_of))
+        return cls(BufferStorage.create(spec, capacity, lanes, name, next_obs, episode_spec,
+                                        episode_capacity))
 
     @classmethod
     def attach(cls, name: str, timeout: float = 5.0) -> ReplayBuffer:
         """Map an existing buffer by name, from any process. Never resizes or changes it."""
-        return cls(Segment.attach(name, L.KIND_BUFFER, timeout=timeout))
+        return cls(BufferStorage.attach(name, timeout))
 
     def __reduce__(self) -> tuple[Any, ...]:
         self._check_open()
@@ -284,14 +199,14 @@ class ReplayBuffer:
         """Each lane's readable logical indices ``[lo, hi)`` (``slots.read_windows``: the
         writer's claim is loaded before ``committed``)."""
         self._check_open()
-        return Windows(*slots.read_windows(self._reserved_v, self._committed_v, self.capacity))
+        return self._storage.windows()
 
     def committed(self, lane: int | None = None) -> int | np.ndarray:
         """Transitions ever published to ``lane`` (or to each lane)."""
         self._check_open()
         if lane is None:
-            return self._committed_v.copy()
-        return int(self._committed_v[self._lane_index(lane)])
+            return self._storage.committed.copy()
+        return int(self._storage.committed[self._lane_index(lane)])
 
     def _lane_index(self, lane: Any) -> int:
         if not isinstance(lane, (int, np.integer)) or not 0 <= lane < self.lanes:
@@ -338,7 +253,7 @@ class ReplayBuffer:
             for k in candidates:
                 if lease.try_lock(L.lock_lane(k)):
                     try:
-                        w = Writer(self, k, lease, insert_timeout)
+                        w = Writer(self._storage, k, lease, insert_timeout)
                     except BaseException:
                         lease.close()  # releases the lane now, not when the traceback dies
                         raise
@@ -347,7 +262,7 @@ class ReplayBuffer:
             if time.monotonic() >= deadline:
                 lease.close()
                 busy = ", ".join(
-                    f"{k} (pid {self._q[self._layout.lane_word(k, L.LANE_WRITER_PID) // 8]})"
+                    f"{k} (pid {self._storage.writer_pid(k)})"
                     for k in candidates
                 )
                 raise LaneBusyError(
@@ -385,7 +300,7 @@ class ReplayBuffer:
             else:
                 for _ in range(num_envs):
                     writers.append(self.writer(timeout=timeout, insert_timeout=insert_timeout))
-            vw = VectorWriter(self, sorted(writers, key=lambda w: w.lane) if lanes is None
+            vw = VectorWriter(self._storage, sorted(writers, key=lambda w: w.lane) if lanes is None
                               else writers)
         except BaseException:  # every lane taken so far is released before this propagates
             for w in writers:
@@ -405,26 +320,10 @@ class ReplayBuffer:
         return self._seg.probe(L.lock_lane(self._lane_index(lane)))
 
     # -- reading -------------------------------------------------------------------------------------
-    def _gather(
-        self, lanes: np.ndarray | None, indices: np.ndarray, out: Mapping[str, np.ndarray],
-        meta_out: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """Copy rows (and their ``_meta`` words into ``meta_out``) into ``out``; return which
-        rows passed the seqlock check.
-
-        A row is good if its stamp said "holds index i" both before and after the copy.
-        """
-        C = self.capacity
-        slot_ids = indices % C
-        if lanes is not None and self.lanes > 1:
-            slot_ids += lanes * C
-        return slots.checked_gather(self._stamps, slot_ids, indices, self._cols, out,
-                                    self._meta, meta_out)
-
     def _draw_uniform_one_lane(self, batch: int, rng: np.random.Generator) -> Draw:
         """``draw_uniform`` for a one-lane buffer without the per-lane array arithmetic (the
         same draw, about 10 us cheaper: it matters for small rows)."""
-        lo, hi = slots.read_window(self._q, self._lane0_reserved, self._lane0_committed,
+        lo, hi = slots.read_window(self._words, self._lane0_reserved, self._lane0_committed,
                                    self.capacity)
         if hi <= lo:
             return draw_uniform(Windows(np.array([lo]), np.array([hi])), batch, rng)  # raises
@@ -507,7 +406,7 @@ class ReplayBuffer:
 
         reader = self._readers.get(id(compiled))
         if reader is None or reader.c is not compiled:
-            reader = self._readers[id(compiled)] = PlanReader(self, compiled)
+            reader = self._readers[id(compiled)] = PlanReader(self._storage, compiled)
         return reader
 
     def sample(
@@ -608,7 +507,7 @@ class ReplayBuffer:
     # -- episodes ----------------------------------------------------------------------------------
     @property
     def episode_spec(self) -> Spec | None:
-        return self._episode_spec
+        return self._storage.episode_spec
 
     def episode(self, episode_id: int, lane: int = 0) -> dict[str, Any]:
         """The record of a finished episode of ``lane``: ``start`` (logical index of its first
@@ -626,29 +525,12 @@ class ReplayBuffer:
             raise TypeError(
                 f"episode id must be an int, got {type(episode_id).__name__} {episode_id!r}"
             ) from None
-        return self._episodes.get(episode_id, self._lane_index(lane))
+        return self._storage.episodes.get(episode_id, self._lane_index(lane))
 
     def episodes(self, lane: int | None = None) -> dict[str, np.ndarray]:
         """Every episode record held now (one lane, or all), as arrays ordered by lane, id."""
         self._check_open()
-        return self._episodes.held(None if lane is None else self._lane_index(lane))
-
-    def _no_episode_spec(self, data: Mapping[str, Any]) -> None:
-        raise SpecMismatchError(
-            f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "
-            f"episode spec. Fix: ReplayBuffer.create(..., episode_spec=Spec(...))"
-        )
-
-    def _input_checker(self) -> RowChecker:
-        """Validates what writers are given: the spec, plus ``next_obs`` (last) if derived."""
-        if self._checker is None:
-            spec = self._spec
-            if self.derived_next_obs:
-                obs = spec["obs"]
-                spec = Spec({**{n: (f.shape, f.dtype) for n, f in spec.items()},
-                             "next_obs": (obs.shape, obs.dtype)})
-            self._checker = RowChecker(spec)
-        return self._checker
+        return self._storage.episodes.held(None if lane is None else self._lane_index(lane))
 
     # -- familiar surfaces (imitation's Buffer) -------------------------------------------------------
     @classmethod
@@ -714,14 +596,10 @@ class ReplayBuffer:
         if self._store_writer is not None:
             self._store_writer.close()
             self._store_writer = None
-        lease = self._lock_all_lanes(timeout, "clearing the buffer")
+        lease = self._storage.lock_all_lanes(timeout, "clearing the buffer")
         try:
-            lay = self._layout
             for k in range(self.lanes):
-                slots.empty_lane(self._q, lay.lane_word(k, L.LANE_COMMITTED) // 8,
-                                 lay.lane_word(k, L.LANE_RESERVED) // 8, self.capacity)
-                if self._episodes is not None:
-                    self._episodes.clear(k)
+                self._storage.empty_lane(k)
         finally:
             lease.close()
 
@@ -734,7 +612,7 @@ class ReplayBuffer:
         """
         self._check_open()
         self._check_fields([name])
-        view = self._cols[name][:]
+        view = self._storage.columns[name][:]
         view.flags.writeable = False
         return view
 
@@ -745,7 +623,7 @@ class ReplayBuffer:
         hdr = self._seg.header
         win = self.windows()
         now = time.time()
-        q, lay = self._q, self._layout
+        q, lay = self._storage.words, self._layout
         per_lane = []
         for k in range(self.lanes):
             hb = q[lay.lane_word(k, L.LANE_HEARTBEAT) // 8]
@@ -788,7 +666,8 @@ class ReplayBuffer:
         """
         from .persist import save
 
-        save(self, path, overwrite=overwrite, progress=progress)
+        self._check_open()
+        save(self._storage, path, overwrite=overwrite, progress=progress)
 
     @classmethod
     def load(
@@ -809,13 +688,14 @@ class ReplayBuffer:
         """
         from .persist import load
 
-        return load(cls, path, name=name, capacity=capacity, progress=progress)
+        return load(cls.create, path, name=name, capacity=capacity, progress=progress)
 
     def state_dict(self) -> dict[str, Any]:
         """The buffer's contents as plain Python/NumPy objects, for training checkpoints."""
         from .persist import state_dict
 
-        return state_dict(self)
+        self._check_open()
+        return state_dict(self._storage)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace this buffer's contents with ``state``; needs every lane free of writers.
@@ -826,52 +706,8 @@ class ReplayBuffer:
         """
         from .persist import load_state_dict
 
-        load_state_dict(self, state)
-
-    def _lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
-        """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;
-        raises LaneBusyError if one stays busy."""
-        lease = self._seg.lease()
-        deadline = time.monotonic() + timeout
-        for k in range(self.lanes):
-            while not lease.try_lock(L.lock_lane(k)) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not lease.try_lock(L.lock_lane(k)):
-                lease.close()
-                raise LaneBusyError(
-                    f"lane {k} has a live writer (pid "
-                    f"{self._q[self._layout.lane_word(k, L.LANE_WRITER_PID) // 8]}); close every "
-                    f"writer (of this handle or any other) before {purpose}"
-                )
-        return lease
-
-    def _restore_lane(self, lane: int, first: int, rows: Mapping[str, np.ndarray],
-                      meta: np.ndarray, episode: int, episode_start: int,
-                      on_copied: Callable[[int], None] | None = None) -> None:
-        """Write rows ``first .. first+n`` of ``lane`` (caller holds the lane's lease).
-
-        ``on_copied(nbytes)``, if given, is called after each column copy (progress display).
-        """
-        C = self.capacity
-        n = int(meta.shape[0])
-        q, lay = self._q, self._layout
-        end = first + n
-        base = lane * C
-        committed_at = lay.lane_word(lane, L.LANE_COMMITTED) // 8
-        reserved_at = lay.lane_word(lane, L.LANE_RESERVED) // 8
-        lane_stamps = self._stamps[base : base + C]
-        slots.begin_restore(lane_stamps, q, committed_at, reserved_at, end, C)  # nothing held
-        segments = _ring_segments(first, n, C)
-        for a, b, off in segments:
-            for name, src in rows.items():
-                dst = self._cols[name][base + a : base + b]
-                dst[...] = src[off : off + (b - a)]
-                if on_copied is not None:
-                    on_copied(dst.nbytes)
-            self._meta[base + a : base + b] = meta[off : off + (b - a)]
-        q[lay.lane_word(lane, L.LANE_EPISODE) // 8] = episode
-        q[lay.lane_word(lane, L.LANE_EPISODE_START) // 8] = episode_start
-        slots.finish_restore(lane_stamps, segments, first, q, reserved_at, end, C)
+        self._check_open()
+        load_state_dict(self._storage, state)
 
     # -- teardown --------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -887,7 +723,9 @@ class ReplayBuffer:
             self._closed = True
             for w in list(self._writers):
                 w.close()
-            self._drop_views()
+            self._readers = {}
+            self._gather = self._words = None  # type: ignore[assignment]
+            self._storage.drop_views()
             self._recycled.clear()
         self._seg.close()
 
@@ -910,13 +748,7 @@ class ReplayBuffer:
             seg.unlink()
 
 
-
-
 # -- helpers ------------------------------------------------------------------------------------------------
-def _field_tuples(spec: Spec) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-    return [(f.name, f.shape, f.dtype) for f in spec.values()]
-
-
 def _check_data(data: Mapping[str, Any]) -> int:
     """Rows in ``data`` (imitation's checks): ValueError if empty or of unequal lengths."""
     if not data:

@@ -29,7 +29,7 @@ import reprlib
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,10 +40,11 @@ from . import _files
 from . import layout as L
 from . import slots
 from ._progress import Progress
-from .buffer import ReplayBuffer, _positive_int, _ring_segments
+from ._util import _positive_int, _ring_segments
 from .errors import CapacityError, CheckpointError, SpecMismatchError
 from .segment import fmt_bytes
 from .spec import Spec
+from .storage import BufferStorage
 
 FORMAT = "shmbuf-checkpoint"
 STATE_FORMAT = "shmbuf-state"
@@ -89,7 +90,7 @@ def _row_nbytes(spec: Spec) -> int:
 
 
 def _copy_lanes(
-    buf: ReplayBuffer,
+    storage: BufferStorage,
     sizes: np.ndarray,
     out: Mapping[str, Any],
     meta_out: Any,
@@ -105,16 +106,16 @@ def _copy_lanes(
     says so after the copy. Writers overwrite a lane oldest first, so a bad row makes every older
     row suspect too: each lane keeps the suffix after its newest bad row.
     """
-    C = buf.capacity
-    cols, stamps, meta, words = buf._cols, buf._stamps, buf._meta, buf._lane_words
-    row_nbytes = _row_nbytes(buf.spec)
+    C = storage.capacity
+    cols, stamps, meta, words = storage.columns, storage.stamps, storage.meta, storage.lane_words
+    row_nbytes = _row_nbytes(storage.spec)
     chunk_rows = max(1, CHUNK_BYTES // row_nbytes)
     lanes = []
     pos = 0
-    for k in range(buf.lanes):
+    for k in range(storage.lanes):
         episode_start = int(words[k, L.LANE_EPISODE_START, 0])
         episode = int(words[k, L.LANE_EPISODE, 0])
-        win = buf.windows()
+        win = storage.windows()
         size = int(sizes[k])
         hi = int(win.hi[k])
         lo = max(int(win.lo[k]), hi - size)
@@ -175,21 +176,21 @@ class Records:
     fields: dict[str, np.ndarray]
 
 
-def _options(buf: ReplayBuffer) -> dict[str, Any]:
+def _options(storage: BufferStorage) -> dict[str, Any]:
     """What ``ReplayBuffer.create`` needs besides spec, capacity and lanes to recreate ``buf``."""
-    spec = buf.episode_spec
+    spec = storage.episode_spec
     return {
-        "next_obs": "derived" if buf.derived_next_obs else "stored",
+        "next_obs": "derived" if storage.derived_next_obs else "stored",
         "episode_spec": spec.to_json() if spec is not None else [],
-        "episode_capacity": buf._layout.episode_capacity,
+        "episode_capacity": storage.layout.episode_capacity,
     }
 
 
-def _copy_episodes(buf: ReplayBuffer) -> Records:
+def _copy_episodes(storage: BufferStorage) -> Records:
     """Every episode record held now, each copied whole (its stamp said "held" before and after
     the copy; a record being written or overwritten meanwhile is left out)."""
-    spec = buf.episode_spec
-    table = buf._episodes
+    spec = storage.episode_spec
+    table = storage.episodes
     names = list(spec) if spec is not None else []
     if table is None:
         return Records(np.zeros((0, len(RECORD_COLUMNS)), np.int64),
@@ -246,10 +247,10 @@ def _check_records(records: Records, n_lanes: int, spec: Spec | None, where: str
         )
 
 
-def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
+def _restore_episodes(storage: BufferStorage, records: Records | None) -> None:
     """Replace every lane's episode records with ``records`` (the caller holds every lane's
     lease). A lane keeps its newest ``episode_capacity`` records, as its writer's ring would."""
-    table = buf._episodes
+    table = storage.episodes
     if table is None:
         return
     slots.clear_stamps(table.stamp)  # nothing held while we rewrite
@@ -257,7 +258,7 @@ def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
         return
     E = table.capacity
     lanes, ids = records.table[:, 0], records.table[:, 1]
-    newest = np.full(buf.lanes, -1, np.int64)
+    newest = np.full(storage.lanes, -1, np.int64)
     np.maximum.at(newest, lanes, ids)
     keep = ids > newest[lanes] - E
     rec = records.table[keep]
@@ -274,7 +275,7 @@ def _restore_episodes(buf: ReplayBuffer, records: Records | None) -> None:
 # save
 # --------------------------------------------------------------------------------------------
 def save(
-    buf: ReplayBuffer,
+    storage: BufferStorage,
     path: str | os.PathLike[str],
     overwrite: bool = False,
     progress: bool | None = None,
@@ -305,7 +306,6 @@ def save(
         FileExistsError: ``path`` exists and ``overwrite`` is False, or it is not a checkpoint.
         CapacityError: the filesystem of ``path`` has too little room; ``path`` is unchanged.
     """
-    buf._check_open()
     final = Path(os.path.abspath(path))
     if not final.name:
         raise ValueError(f"cannot save to {os.fspath(path)!r}: name a directory to create")
@@ -315,10 +315,10 @@ def save(
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_saves(final)
-    sizes = buf.windows().sizes  # rows to allocate; lanes are re-read as they are copied
-    needed = _bytes_needed(buf, int(sizes.sum()))
+    sizes = storage.windows().sizes  # rows to allocate; lanes are re-read as they are copied
+    needed = _bytes_needed(storage, int(sizes.sum()))
     free, inodes = _files.free_space(parent)
-    n_files = len(buf.spec) + len(buf.episode_spec or ()) + 4  # + _meta, _episodes, manifest, dir
+    n_files = len(storage.spec) + len(storage.episode_spec or ()) + 4  # + _meta, _episodes, manifest, dir
     if needed > free or inodes < n_files:
         raise _no_room(final, needed, free, replacing, inodes < n_files)
     tmp = final.with_name(f".{final.name}.saving-{os.getpid()}-{secrets.token_hex(4)}")
@@ -328,7 +328,7 @@ def save(
         made = True
         lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "a save is writing here"
-        _write_checkpoint(buf, tmp, sizes, progress)
+        _write_checkpoint(storage, tmp, sizes, progress)
         _files.fsync_dir(tmp)
         _move_into_place(tmp, final, overwrite)
         _files.fsync_dir(parent)
@@ -424,16 +424,16 @@ def _npy_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
     return len(_files.npy_header(dtype, shape)) + math.prod(shape) * dtype.itemsize
 
 
-def _bytes_needed(buf: ReplayBuffer, rows: int) -> int:
+def _bytes_needed(storage: BufferStorage, rows: int) -> int:
     """Disk space a checkpoint of ``rows`` rows takes at most (a block of slack per file)."""
     block = 4096
-    spec, i8 = buf.spec, np.dtype("<i8")
+    spec, i8 = storage.spec, np.dtype("<i8")
     files = [(f.dtype, (rows, *f.shape)) for f in spec.values()] + [(i8, (rows,))]
-    records = buf.lanes * buf._layout.episode_capacity if buf._episodes is not None else 0
+    records = storage.lanes * storage.layout.episode_capacity if storage.episodes is not None else 0
     files.append((i8, (records, len(RECORD_COLUMNS))))
-    for f in (buf.episode_spec or {}).values():
+    for f in (storage.episode_spec or {}).values():
         files.append((f.dtype, (records, *f.shape)))
-    manifest = (16 << 10) + 256 * (buf.lanes + len(files))
+    manifest = (16 << 10) + 256 * (storage.lanes + len(files))
     return sum(_npy_nbytes(np.dtype(d), s) + block for d, s in files) + manifest
 
 
@@ -449,10 +449,10 @@ def _no_room(final: Path, needed: int, free: int, replacing: bool,
     )
 
 
-def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
+def _write_checkpoint(storage: BufferStorage, directory: Path, sizes: np.ndarray,
                       progress: bool | None) -> None:
     """Write every file of a checkpoint into the (new, empty) ``directory``, the manifest last."""
-    spec = buf.spec
+    spec = storage.spec
     rows = int(sizes.sum())
     files = {name: file_name(i, name) for i, name in enumerate(spec)}
     opened: list[_files.NpyWriter] = []
@@ -463,8 +463,8 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
             opened.append(arrays[name])
         meta = _files.NpyWriter(directory / META_FILE, np.dtype("<i8"), (rows,))
         opened.append(meta)
-        with Progress(rows * _row_nbytes(spec), f"saving {buf.name}", progress) as bar:
-            lanes = _copy_lanes(buf, sizes, arrays, meta, bar)
+        with Progress(rows * _row_nbytes(spec), f"saving {storage.name}", progress) as bar:
+            lanes = _copy_lanes(storage, sizes, arrays, meta, bar)
         if sum(r.count for r in lanes) != rows:  # writers overwrote rows under the copy: compact
             packed = _packed(lanes)
             rows = sum(r.count for r in packed)
@@ -474,7 +474,7 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
             lanes = packed
         for w in opened:
             w.finish()
-        records = _copy_episodes(buf)
+        records = _copy_episodes(storage)
         _write_npy(directory / EPISODES_FILE, records.table)
         ep_files = {name: "_ep_" + file_name(i, name) for i, name in enumerate(records.fields)}
         for name, values in records.fields.items():
@@ -487,10 +487,10 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
         "format": FORMAT,
         "version": VERSION,
         "created": time.time(),
-        "source": buf.name,
+        "source": storage.name,
         "spec": spec.to_json(),
-        "capacity": buf.capacity,
-        "lanes": buf.lanes,
+        "capacity": storage.capacity,
+        "lanes": storage.lanes,
         "rows": rows,
         "per_lane": [asdict(r) for r in lanes],
         "fields": [
@@ -498,7 +498,7 @@ def _write_checkpoint(buf: ReplayBuffer, directory: Path, sizes: np.ndarray,
             for name, f in spec.items()
         ],
         "meta": {"file": META_FILE, "shape": [rows], "dtype": np.dtype("<i8").str},
-        **_options(buf),
+        **_options(storage),
         "episodes": {
             "records": {"file": EPISODES_FILE, "shape": [n_records, len(RECORD_COLUMNS)],
                         "dtype": np.dtype("<i8").str},
@@ -526,13 +526,14 @@ def _write_npy(path: Path, values: np.ndarray) -> None:
 # load
 # --------------------------------------------------------------------------------------------
 def load(
-    cls: type[ReplayBuffer],
+    create: Callable[..., Any],
     path: str | os.PathLike[str],
     name: str | None = None,
     capacity: int | None = None,
     progress: bool | None = None,
-) -> ReplayBuffer:
-    """Create a buffer from a directory written by ``save``; see ``ReplayBuffer.load``.
+) -> Any:
+    """Create a buffer with ``create`` (``ReplayBuffer.create``) from a directory written by
+    ``save``; see ``ReplayBuffer.load``.
 
     The whole directory is checked before any shared memory is created: the manifest (read only
     if it is a regular file of at most ``MAX_MANIFEST_BYTES``; every entry's type and range),
@@ -559,9 +560,9 @@ def load(
     else:
         capacity = _positive_int("capacity", capacity)
         _check_size(spec, capacity, len(lanes), options, "capacity=")
-    buf = cls.create(spec, capacity, len(lanes), name, **options)
+    buf = create(spec, capacity, len(lanes), name, **options)
     try:
-        _restore(buf, lanes, arrays, meta, progress, f"loading {directory.name}", records)
+        _restore(buf.storage, lanes, arrays, meta, progress, f"loading {directory.name}", records)
     except BaseException:
         buf.close()
         raise
@@ -569,7 +570,7 @@ def load(
 
 
 def _restore(
-    buf: ReplayBuffer,
+    storage: BufferStorage,
     lanes: list[LaneRows],
     arrays: Mapping[str, np.ndarray],
     meta: np.ndarray,
@@ -580,15 +581,15 @@ def _restore(
     """Rewrite every lane of ``buf`` from ``lanes``, and its episode records from ``records``;
     a lane keeps its newest ``capacity`` rows. The caller has validated everything: the only
     error expected here is LaneBusyError, raised before anything changes."""
-    C = buf.capacity
+    C = storage.capacity
     kept = [min(r.count, C) for r in lanes]
-    total = sum(kept) * buf.spec.row_nbytes
-    lease = buf._lock_all_lanes()  # LaneBusyError before anything changes
+    total = sum(kept) * storage.spec.row_nbytes
+    lease = storage.lock_all_lanes()  # LaneBusyError before anything changes
     try:
         with Progress(total, desc, progress) as bar:
             for r, n in zip(lanes, kept):
                 a = r.offset + r.count - n
-                buf._restore_lane(
+                storage.restore_lane(
                     r.lane,
                     r.first + r.count - n,
                     {name: arr[a : a + n] for name, arr in arrays.items()},
@@ -597,7 +598,7 @@ def _restore(
                     r.episode_start,
                     on_copied=bar.update,
                 )
-        _restore_episodes(buf, records)
+        _restore_episodes(storage, records)
     finally:
         lease.close()
 
@@ -846,7 +847,7 @@ def _check_lanes(per_lane: Any, n_lanes: int, capacity: int, rows: int,
 # --------------------------------------------------------------------------------------------
 # state_dict / load_state_dict
 # --------------------------------------------------------------------------------------------
-def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
+def state_dict(storage: BufferStorage) -> dict[str, Any]:
     """The buffer's contents as plain Python and NumPy objects (picklable, ``torch.save``-able).
 
     Keys: ``format``, ``version``, ``spec`` (JSON), ``capacity``, ``lanes``, ``per_lane`` (one
@@ -856,14 +857,13 @@ def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
     (``records``: int64 ``[n, 5]`` lane, episode, start, length, flags; ``fields``: name ->
     ``[n, *shape]``). Safe while writers run, like ``save``.
     """
-    buf._check_open()
-    spec = buf.spec
-    sizes = buf.windows().sizes  # rows to allocate; lanes are re-read as they are copied
+    spec = storage.spec
+    sizes = storage.windows().sizes  # rows to allocate; lanes are re-read as they are copied
     rows = int(sizes.sum())
     arrays = {name: np.empty((rows, *f.shape), f.dtype) for name, f in spec.items()}
     meta = np.empty(rows, np.int64)
-    with Progress(rows * _row_nbytes(spec), f"state_dict of {buf.name}") as bar:
-        lanes = _copy_lanes(buf, sizes, arrays, meta, bar)
+    with Progress(rows * _row_nbytes(spec), f"state_dict of {storage.name}") as bar:
+        lanes = _copy_lanes(storage, sizes, arrays, meta, bar)
     if sum(r.count for r in lanes) != rows:
         packed = _packed(lanes)
         total = sum(r.count for r in packed)
@@ -874,22 +874,22 @@ def state_dict(buf: ReplayBuffer) -> dict[str, Any]:
         dst = np.empty(total, np.int64)
         _copy_rows(meta, dst, lanes, packed)
         meta, lanes = dst, packed
-    records = _copy_episodes(buf)
+    records = _copy_episodes(storage)
     return {
         "format": STATE_FORMAT,
         "version": VERSION,
         "spec": spec.to_json(),
-        "capacity": buf.capacity,
-        "lanes": buf.lanes,
+        "capacity": storage.capacity,
+        "lanes": storage.lanes,
         "per_lane": [asdict(r) for r in lanes],
         "fields": arrays,
         "meta": meta,
-        **_options(buf),
+        **_options(storage),
         "episodes": {"records": records.table, "fields": records.fields},
     }
 
 
-def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
+def load_state_dict(storage: BufferStorage, state: Mapping[str, Any]) -> None:
     """Replace ``buf``'s contents with ``state`` (from ``state_dict``), holding every lane.
 
     The capacity may differ: a lane with more rows than ``buf.capacity`` keeps its newest; so
@@ -906,7 +906,6 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
         CheckpointError: the state is malformed or inconsistent.
         LaneBusyError: a lane has a live writer; nothing was changed.
     """
-    buf._check_open()
     where = "load_state_dict()"
     fmt = state.get("format") if isinstance(state, Mapping) else None
     if not isinstance(fmt, str) or fmt != STATE_FORMAT:
@@ -925,19 +924,19 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
     spec = _spec_from_json(_entry(state, "spec", where), "spec", where)
     n_lanes = _check_int(_entry(state, "lanes", where), "'lanes'", 1, L.MAX_LANES, where)
     capacity = _check_int(_entry(state, "capacity", where), "'capacity'", 1, MAX_INDEX, where)
-    if spec != buf.spec:
+    if spec != storage.spec:
         raise SpecMismatchError(
-            f"load_state_dict(): the state's spec is {spec!r}, this buffer's is {buf.spec!r}. "
+            f"load_state_dict(): the state's spec is {spec!r}, this buffer's is {storage.spec!r}. "
             f"Fix: load it into a buffer created with the same spec, e.g. "
             f"ReplayBuffer.create(Spec.from_json(state['spec']), capacity, lanes={n_lanes})"
         )
-    if n_lanes != buf.lanes:
+    if n_lanes != storage.lanes:
         raise SpecMismatchError(
-            f"load_state_dict(): the state has {n_lanes} lanes, this buffer has {buf.lanes}. "
+            f"load_state_dict(): the state has {n_lanes} lanes, this buffer has {storage.lanes}. "
             f"Fix: create the buffer with lanes={n_lanes}"
         )
     options = _parse_options(state, where)
-    mode = "derived" if buf.derived_next_obs else "stored"
+    mode = "derived" if storage.derived_next_obs else "stored"
     if options["next_obs"] != mode:
         raise SpecMismatchError(
             f"load_state_dict(): the state is of a next_obs={options['next_obs']!r} buffer, this "
@@ -946,13 +945,13 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
         )
     records = None
     if "episodes" in state:
-        if options["episode_spec"] != buf.episode_spec:
+        if options["episode_spec"] != storage.episode_spec:
             raise SpecMismatchError(
                 f"load_state_dict(): the state's episode_spec is {options['episode_spec']!r}, "
-                f"this buffer's is {buf.episode_spec!r}. Fix: create the buffer with the same "
+                f"this buffer's is {storage.episode_spec!r}. Fix: create the buffer with the same "
                 f"episode_spec"
             )
-        records = _state_records(state["episodes"], buf.episode_spec, n_lanes, where)
+        records = _state_records(state["episodes"], storage.episode_spec, n_lanes, where)
     meta = _as_array(_entry(state, "meta", where), "'meta'", where)
     if meta.dtype != np.int64 or meta.ndim != 1:
         raise _bad(where, f"'meta' should be int64 [rows], found {meta.shape} {meta.dtype}")
@@ -969,7 +968,7 @@ def load_state_dict(buf: ReplayBuffer, state: Mapping[str, Any]) -> None:
             raise _bad(where, f"field {name!r} should be shape {(rows, *f.shape)} {f.dtype}, "
                               f"found {arr.shape} {arr.dtype}")
         arrays[name] = arr
-    _restore(buf, lanes, arrays, meta, None, f"load_state_dict into {buf.name}", records)
+    _restore(storage, lanes, arrays, meta, None, f"load_state_dict into {storage.name}", records)
 
 
 def _state_records(section: Any, spec: Spec | None, n_lanes: int, where: str) -> Records:

@@ -115,7 +115,7 @@ class PriorityTable:
         self.synced[new] = committed[new]
         lanes_a, idx_a = np.concatenate(lanes), np.concatenate(idx)
         slots = lanes_a * C + idx_a % C
-        final = (buf._meta[slots] & L.FLAG_FINAL) != 0
+        final = (buf.storage.meta[slots] & L.FLAG_FINAL) != 0
         value = self._value(np.float64(self.max_priority)) if initial is None else initial
         self.gen[slots] = idx_a  # generation first: a reader that sees it finds the new row
         sumtree.update(self.sums, self.mins, lanes_a, idx_a % C, np.where(final, 0.0, value))

@@ -32,7 +32,7 @@ from .sampling.sequence import sequence_masks, strict_tail
 from .slots import held_stamps, load_stamps, overwritten_since, reload_stamps
 
 if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
+    from .storage import BufferStorage
 
 
 @dataclass
@@ -74,8 +74,8 @@ class _Selection:
 class PlanReader:
     """Reads batches of one compiled plan from one buffer."""
 
-    def __init__(self, buf: ReplayBuffer, compiled: Compiled) -> None:
-        self.buf = buf
+    def __init__(self, storage: BufferStorage, compiled: Compiled) -> None:
+        self.storage = storage
         self.c = c = compiled
         plan = c.plan
         self.T = plan.sequence_length
@@ -90,7 +90,7 @@ class PlanReader:
         self.offsets = np.arange(p_lo, p_hi + 1, dtype=np.int64)
         self.j0 = -p_lo  # column of offset 0
         self.tail = strict_tail(self.T, self.needs_next) if (self.T > 1 and not plan.cross_episodes) else 0
-        spec = buf.spec
+        spec = storage.spec
         self.stack_offs = stack_offsets(self.k, plan.frame_lookahead) if plan.stacks else None
         self._seq_offs = [np.arange(self.T) + s for s in (0, 1)]
         self.next_stack = (plan.stacks and c.want_next_obs and plan.obs_field in plan.stack_fields)
@@ -99,7 +99,7 @@ class PlanReader:
 
     # -- selection ---------------------------------------------------------------------------------
     def _probe(self, draw: Draw, win: Windows, want: int) -> _Selection | None:
-        buf, C = self.buf, self.buf.capacity
+        storage, C = self.storage, self.storage.capacity
         anchors = draw.indices
         rows = anchors[:, None] + self.offsets[None, :]
         lo = win.lo[draw.lanes][:, None]
@@ -107,10 +107,10 @@ class PlanReader:
         inwin = (rows >= lo) & (rows < hi)
         rows = np.where(inwin, rows, anchors[:, None])
         slots = rows % C
-        if buf.lanes > 1:
+        if storage.lanes > 1:
             slots += (draw.lanes * C)[:, None]
-        before = load_stamps(buf._stamps, slots)  # stamps first ...
-        meta = buf._meta[slots]  # ... then what they guard
+        before = load_stamps(storage.stamps, slots)  # stamps first ...
+        meta = storage.meta[slots]  # ... then what they guard
         held = inwin & (before == held_stamps(rows))
         ep = meta >> L.STEP_BITS
         final = (meta & L.FLAG_FINAL) != 0
@@ -130,7 +130,7 @@ class PlanReader:
             ok2, masks[MASK] = sequence_masks(valid, self.c.plan.cross_episodes)
             return sel.take(np.flatnonzero(ok & ok2)[:want])
         if self.n > 1:
-            cols = self.buf._cols
+            cols = self.storage.columns
             win_slots = slots[:, j0 : j0 + self.n]
             term = cols[self.term_field][win_slots].astype(bool)
             rewards = cols[self.c.plan.reward_field][win_slots]
@@ -167,11 +167,11 @@ class PlanReader:
         parts: list[_Selection] = []
         have = 0
         for _ in range(max_rounds):
-            win = self.buf.windows()
+            win = self.storage.windows()
             want = count - have
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
             lo, hi = int(win.lo[0]), int(win.hi[0]) - self.tail
-            if self.buf.lanes == 1 and hi > lo:
+            if self.storage.lanes == 1 and hi > lo:
                 u = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
                 u += lo
                 draw = Draw(np.zeros(u.size, np.int64), u)
@@ -242,7 +242,7 @@ class PlanReader:
 
     def fill(self, sel: _Selection, out: dict[str, np.ndarray]) -> None:
         """Gather every output array of ``sel`` into ``out`` (arrays of len(sel) rows)."""
-        plan, c, cols = self.c.plan, self.c, self.buf._cols
+        plan, c, cols = self.c.plan, self.c, self.storage.columns
         obs, nxt = plan.obs_field, plan.next_obs_field
         n = len(sel.anchors)
         j = np.zeros(n, np.int64)
@@ -273,7 +273,7 @@ class PlanReader:
 
     def _fill_next(self, sel: _Selection, dst: np.ndarray, out: dict[str, np.ndarray]) -> None:
         """next_obs of each transition's last step, stacked if the plan stacks obs."""
-        c, cols = self.c, self.buf._cols
+        c, cols = self.c, self.storage.columns
         one = np.zeros(1, np.int64)
         if c.derived_next_obs:
             last_src, last_slots = cols[c.plan.obs_field], self._rows_at(sel, one + 1, self._end(sel))
@@ -294,7 +294,7 @@ class PlanReader:
         return sel.end if self.n > 1 else None
 
     def _stable(self, sel: _Selection) -> np.ndarray:
-        after = reload_stamps(self.buf._stamps, sel.slots)
+        after = reload_stamps(self.storage.stamps, sel.slots)
         return np.logical_not(overwritten_since(sel.before, after, sel.held).any(axis=1))
 
     # -- entry point ---------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ class PlanReader:
         raise SamplingError(
             f"{todo.size} of {B} rows kept being overwritten while read, {max_retries} times "
             f"in a row: writers lap the readers. Fix: a larger capacity (now "
-            f"{self.buf.capacity} per lane) or slower writers"
+            f"{self.storage.capacity} per lane) or slower writers"
         )
 
 

@@ -23,7 +23,7 @@ from .spec import RowChecker
 from .writer import Writer, wait_for_room
 
 if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
+    from .storage import BufferStorage
 
 
 class VectorWriter:
@@ -41,38 +41,40 @@ class VectorWriter:
 
     _live: weakref.WeakSet[VectorWriter] = weakref.WeakSet()
 
-    def __init__(self, buf: ReplayBuffer, writers: list[Writer]) -> None:
-        self._buf = buf
+    def __init__(self, storage: BufferStorage, writers: list[Writer]) -> None:
+        self._storage = storage
         self._writers = writers  # holding the leases; their own state is not used any more
         self.lanes = np.array([w.lane for w in writers], np.int64)
         self.num_envs = len(writers)
         self.timeout = writers[0].timeout
-        C = buf.capacity
+        C = storage.capacity
         self._C = C
         self._base = self.lanes * C
         self._next = np.array([w._next for w in writers], np.int64)
         self._reserved = np.array([w._reserved for w in writers], np.int64)
         self.episode = np.array([w.episode for w in writers], np.int64)
         self._step = np.array([w._step for w in writers], np.int64)
-        words = buf._lane_words
-        self._committed_v, self._reserved_v = buf._committed_v, buf._reserved_v
+        words = storage.lane_words
+        self._committed_v, self._reserved_v = storage.committed, storage.reserved
         self._episode_v = words[:, L.LANE_EPISODE, 0]
         self._episode_start_v = words[:, L.LANE_EPISODE_START, 0]
         self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
-        self._cols = [buf._cols[name] for name in buf._spec]
-        self._stamps, self._meta = buf._stamps, buf._meta
-        self._check_batch = buf._input_checker().check_batch
-        self._derived = buf.derived_next_obs
+        self._cols = [storage.columns[name] for name in storage.spec]
+        self._stamps, self._meta = storage.stamps, storage.meta
+        self._words = storage.words
+        self._check_batch = storage.input_checker().check_batch
+        self._derived = storage.derived_next_obs
         if self._derived:
-            obs = buf._spec["obs"]
+            obs = storage.spec["obs"]
             self._pending = np.zeros((self.num_envs, *obs.shape), obs.dtype)
-            self._obs_col = list(buf._spec).index("obs")
+            self._obs_col = list(storage.spec).index("obs")
         self._rows = 0  # rows written, for rate-limit bookkeeping
         self._room_until = 0
-        self._lim_word = buf._limiter._word(L.LIM_GENERATION)
+        self._lim_word = storage.limiter._word(L.LIM_GENERATION)
         self._lim_gen = -1
         self._episode_checker = (
-            RowChecker(buf._episode_spec, batch_op="end_episode") if buf._episode_spec is not None
+            RowChecker(storage.episode_spec, batch_op="end_episode")
+            if storage.episode_spec is not None
             else None
         )
         self._closed = False
@@ -88,7 +90,7 @@ class VectorWriter:
 
     def _make_room(self, n: int) -> None:
         self._heartbeat_v[self.lanes] = time.time_ns()
-        room, self._lim_gen = wait_for_room(self._buf, n // self.num_envs or 1, self.timeout,
+        room, self._lim_gen = wait_for_room(self._storage, n // self.num_envs or 1, self.timeout,
                                             self._check_open, f"lanes {self.lanes.tolist()}",
                                             self.lanes)
         room *= self.num_envs
@@ -115,7 +117,7 @@ class VectorWriter:
                 f"add(): fields have {n} rows but this writer has num_envs={self.num_envs}: pass "
                 f"one row per environment"
             )
-        if self._rows + n > self._room_until or self._buf._q[self._lim_word] != self._lim_gen:
+        if self._rows + n > self._room_until or self._words[self._lim_word] != self._lim_gen:
             self._make_room(n)
         index = self._next
         meta = (self.episode << L.STEP_BITS) | (self._step & L.STEP_MASK)
@@ -146,7 +148,7 @@ class VectorWriter:
         starts = self._next[envs] - self._step[envs]
         if self._derived:
             self._write_final_rows(envs)
-        table = self._buf._episodes
+        table = self._storage.episodes
         if table is not None:
             for j, e in enumerate(envs):  # one record per finished episode, not per step
                 row = [v[e] for v in values] if values is not None else table.check({})
@@ -162,8 +164,8 @@ class VectorWriter:
         if not data:
             return None
         if self._episode_checker is None:
-            self._buf._no_episode_spec(data)
-        spec = self._buf._episode_spec
+            self._storage.refuse_episode_data(data)
+        spec = self._storage.episode_spec
         full = {n: np.zeros((self.num_envs, *f.shape), f.dtype) for n, f in spec.items()}
         for name, value in data.items():
             if name not in full:
@@ -187,7 +189,7 @@ class VectorWriter:
 
     def _write_final_rows(self, envs: np.ndarray) -> None:
         n = envs.size
-        if self._rows + n > self._room_until or self._buf._q[self._lim_word] != self._lim_gen:
+        if self._rows + n > self._room_until or self._words[self._lim_word] != self._lim_gen:
             self._make_room(n)
         index = self._next[envs]
         lanes = self.lanes[envs]
@@ -214,7 +216,7 @@ class VectorWriter:
     def _drop_views(self) -> None:
         """Drop every view of the segment, so the buffer can unmap it."""
         self._cols = []
-        self._stamps = self._meta = None  # type: ignore[assignment]
+        self._stamps = self._meta = self._words = None  # type: ignore[assignment]
         self._committed_v = self._reserved_v = None  # type: ignore[assignment]
         self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
 

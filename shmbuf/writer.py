@@ -20,12 +20,12 @@ from .errors import ClosedError, RateLimitTimeout
 from .segment import Lease
 
 if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
+    from .storage import BufferStorage
 
 ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited
 
 
-def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callable[[], None],
+def wait_for_room(storage: BufferStorage, n: int, timeout: float, check_open: Callable[[], None],
                   who: str, lanes: Any) -> tuple[int, int]:
     """Wait until ``n`` more rows may be inserted into each of ``lanes``; return (rows allowed
     per lane before the next check, the limiter generation read).
@@ -38,7 +38,7 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
         RateLimitTimeout: not within ``timeout`` (nothing was written).
         ValueError: ``n`` rows can never fit.
     """
-    lim = buf._limiter
+    lim = storage.limiter
     deadline = time.monotonic() + timeout
     pause = 5e-5
     while True:
@@ -48,13 +48,13 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
             return max(4 * n, ROOM_CHECK_EVERY), gen
         room, why = 1 << 62, ""  # rows the limits allow now
         if queue:
-            if n > buf.capacity:
+            if n > storage.capacity:
                 raise ValueError(
-                    f"{n} rows at once can never fit a queue of {buf.capacity} rows per lane. "
+                    f"{n} rows at once can never fit a queue of {storage.capacity} rows per lane. "
                     f"Fix: split the batch"
                 )
-            undelivered = buf._committed_v[lanes] - buf._lane_words[lanes, L.LANE_RELEASED, 0]
-            room = min(room, int(buf.capacity - undelivered.max()))
+            undelivered = storage.committed[lanes] - storage.lane_words[lanes, L.LANE_RELEASED, 0]
+            room = min(room, int(storage.capacity - undelivered.max()))
             why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
         if limit is not None:
             inserts = lim.total_committed() - base
@@ -69,13 +69,13 @@ def wait_for_room(buf: ReplayBuffer, n: int, timeout: float, check_open: Callabl
                 )
             # Share the headroom with the other lanes' writers: the ratio then holds to within
             # about one insert per writer without any cross-process lock.
-            room = min(room, max(allowed // buf.lanes, min(allowed, n)))
+            room = min(room, max(allowed // storage.lanes, min(allowed, n)))
             if allowed < n:
                 why = (f"inserts {inserts}, samples {samples}, samples_per_insert "
                        f"{limit.samples_per_insert}: the samplers are not keeping up")
         if room >= n:
             return min(room, max(n, ROOM_CHECK_EVERY)), gen
-        if not buf._seg.probe(L.LOCK_LIMITER):
+        if not storage.segment.probe(L.LOCK_LIMITER):
             # The pool that set the limit died without lifting it: nobody samples any more, so
             # the limits are void, as if lifted. Grant a whole check interval (not just ``n``,
             # which would send every later row through this probe); a pool that limits the
@@ -117,8 +117,9 @@ class Writer:
 
     _live: weakref.WeakSet[Writer] = weakref.WeakSet()
 
-    def __init__(self, buf: ReplayBuffer, lane: int, lease: Lease, insert_timeout: float) -> None:
-        self._buf = buf
+    def __init__(self, storage: BufferStorage, lane: int, lease: Lease,
+                 insert_timeout: float) -> None:
+        self._storage = storage
         self.lane = lane
         self._lease = lease
         self.timeout = _timeout("insert_timeout", insert_timeout)
@@ -126,7 +127,7 @@ class Writer:
         # Optional: a blocking add/extend gives up (ClosedError) once this returns true; an
         # ActorContext sets it so that stopping an actor also ends a wait on the rate limiter.
         self.stop_when: Callable[[], bool] | None = None
-        lay, q = buf._layout, buf._q
+        lay, q = storage.layout, storage.words
         C = lay.capacity
         self._C = C
         self._q = q
@@ -137,18 +138,18 @@ class Writer:
         self._stamp0 = lay.stamp(lane * C) // 8
         self._meta0 = (lay.meta.offset // 8) + lane * C
         base = lane * C
-        self._cols = [buf._cols[name][base : base + C] for name in buf._spec]
-        self._stamps = buf._stamps[base : base + C]
-        self._meta = buf._meta[base : base + C]
-        checker = buf._input_checker()
+        self._cols = [storage.columns[name][base : base + C] for name in storage.spec]
+        self._stamps = storage.stamps[base : base + C]
+        self._meta = storage.meta[base : base + C]
+        checker = storage.input_checker()
         self._check_row = checker.check_row
         self._check_batch = checker.check_batch
-        self._derived = buf.derived_next_obs
+        self._derived = storage.derived_next_obs
         if self._derived:
-            obs = buf._spec["obs"]
+            obs = storage.spec["obs"]
             self._pending = np.zeros(obs.shape, obs.dtype)  # the last step's next_obs
-            self._obs_col = list(buf._spec).index("obs")
-        self._limiter = buf._limiter
+            self._obs_col = list(storage.spec).index("obs")
+        self._limiter = storage.limiter
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
         self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
 
@@ -307,10 +308,10 @@ class Writer:
         """
         if self._closed_reason is not None:
             self._raise_closed()
-        table = self._buf._episodes
+        table = self._storage.episodes
         values = table.check(episode_data) if table is not None else None
         if values is None and episode_data:
-            self._buf._no_episode_spec(episode_data)
+            self._storage.refuse_episode_data(episode_data)
         ended = self.episode
         length = self._step
         if length == 0:
@@ -348,7 +349,7 @@ class Writer:
     def _make_room(self, n: int, timeout: float) -> None:
         """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
         self._q[self._w_heartbeat] = time.time_ns()
-        room, self._lim_gen = wait_for_room(self._buf, n, timeout, self._check_open,
+        room, self._lim_gen = wait_for_room(self._storage, n, timeout, self._check_open,
                                             f"lane {self.lane}", [self.lane])
         self._room_until = self._next + room
 

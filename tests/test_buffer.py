@@ -55,7 +55,7 @@ def snapshot(buf: shmbuf.ReplayBuffer) -> tuple[bytes, list, list]:
     """Every byte of the segment (header, lane words, stamps, meta, columns) plus the counters."""
     with open(os.path.join("/dev/shm", buf.name), "rb") as f:
         data = f.read()
-    return data, buf._committed_v.tolist(), buf._reserved_v.tolist()
+    return data, buf.storage.committed.tolist(), buf.storage.reserved.tolist()
 
 
 @pytest.fixture
@@ -349,7 +349,7 @@ def test_extend_with_more_rows_than_capacity_keeps_the_last_rows(start):
         assert (int(win.lo[0]), int(win.hi[0])) == (start + 14, start + 22)
         idx = np.arange(start + 14, start + 22)
         assert buf.get(idx)["action"].tolist() == idx.tolist()
-        steps = buf._meta[idx % 8] & L.STEP_MASK  # fancy indexing: a copy
+        steps = buf.storage.meta[idx % 8] & L.STEP_MASK  # fancy indexing: a copy
         assert steps.tolist() == idx.tolist()  # one episode, step == index
 
 
@@ -439,7 +439,7 @@ def test_takeover_after_clean_close_continues_at_committed_in_a_new_episode():
         w2 = buf.writer(lane=0)
         assert (w2.committed, w2.step, w2.episode) == (5, 0, ep1 + 1)
         assert w2.add(**good_row(5)) == 5
-        meta = buf._meta[:6].copy()
+        meta = buf.storage.meta[:6].copy()
         assert (meta >> L.STEP_BITS).tolist() == [ep1] * 5 + [ep1 + 1]
         assert (meta & L.STEP_MASK).tolist() == [0, 1, 2, 3, 4, 0]
         # A writer that ended its episode before closing leaves no episode open: no bump.
@@ -530,7 +530,7 @@ def test_seqlock_never_delivers_a_row_whose_stamp_says_otherwise():
     with shmbuf.ReplayBuffer.create(SPEC, capacity=8) as buf:
         with buf.writer() as w:
             w.extend(good_batch(8))
-        stamps = buf._stamps
+        stamps = buf.storage.stamps
         stamps[3] = L.stamp_writing(3)  # a writer is in the middle of index 3
         stamps[5] = L.stamp_held(13)  # index 5's slot now holds index 13
         with pytest.raises(shmbuf.StaleIndexError, match="index 3"):
@@ -630,8 +630,8 @@ def test_takeover_after_a_crash_mid_extend_of_more_than_capacity_rows_shows_new_
             w.extend({"x": np.arange(20)})
         # Exactly what a writer SIGKILLed inside extend() of 24 rows at index 20 leaves behind:
         # its claim published, all 8 slots stamped "being written" (rows 36..43), no commit.
-        buf._reserved_v[0] = 20 + 24
-        stamps = buf._stamps
+        buf.storage.reserved[0] = 20 + 24
+        stamps = buf.storage.stamps
         stamps[:] = [L.stamp_writing(36 + (s - 36 % 8) % 8) for s in range(8)]
         del stamps
         assert len(buf) == 0  # nothing old is readable: right
@@ -671,21 +671,21 @@ def test_a_reader_racing_big_extends_never_sees_a_full_lane_as_empty():
         w = buf.writer()
         w.extend({"x": np.arange(100)})
 
-        real = buf._reserved_v
+        real = buf.storage.reserved
 
         def writer_moves_on():
             w.extend({"x": np.arange(w.committed, w.committed + 40)})  # finishes an extend
             real[0] = w.committed + 40  # and claims the next 40 rows
 
-        buf._reserved_v = _WriterActsBetweenLoads(real, writer_moves_on)
+        buf.storage.reserved = _WriterActsBetweenLoads(real, writer_moves_on)
         try:
             win = buf.windows()
         finally:
-            buf._reserved_v = real
+            buf.storage.reserved = real
         assert win.total > 0, f"window {win} is empty though >= 24 rows were held throughout"
         # The window never offers a slot under the open claim: every offered row is held.
         idx = np.arange(win.lo[0], win.hi[0])
-        assert buf._reserved_v[0] - 64 <= idx.min() and idx.max() < w.committed
+        assert buf.storage.reserved[0] - 64 <= idx.min() and idx.max() < w.committed
         real[0] = w.committed  # the claim is dropped (nothing was written for it)
         real = None  # drop the view before the buffer closes
         w.close()

@@ -53,7 +53,7 @@ def snapshot(buf: shmbuf.ReplayBuffer, w) -> tuple:
     step = w.step if isinstance(w, shmbuf.Writer) else w._step  # a VectorWriter's, per env
     records = {k: v.tolist() for k, v in buf.episodes().items()}
     return (buf.committed().tolist(), np.asarray(w.episode).tolist(), np.asarray(step).tolist(),
-            buf._lane_words.tolist(), records)
+            buf.storage.lane_words.tolist(), records)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_a_writer_after_a_vector_writer_continues_its_episodes():
             assert (w.episode, w.step) == (1, 0)
         with buf.writer(lane=1) as w:
             assert (w.episode, w.step) == (1, 0)  # episode 0 was left open: abandoned
-        assert buf._lane_words[0, L.LANE_EPISODE_START, 0] == 1
+        assert buf.storage.lane_words[0, L.LANE_EPISODE_START, 0] == 1
 
 
 # --------------------------------------------------------------------------------------------

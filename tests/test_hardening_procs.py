@@ -236,7 +236,7 @@ def test_a_writer_whose_construction_fails_releases_its_lanes(vector, monkeypatc
         monkeypatch.setattr(vector_mod.VectorWriter, "__init__", boom)
     with procs.new_buffer(capacity=16, lanes=2, rows=0) as buf:
         if not vector:
-            monkeypatch.setattr(buf, "_input_checker", boom)
+            monkeypatch.setattr(buf.storage, "input_checker", boom)
         saved = None
         try:
             buf.writer(num_envs=2) if vector else buf.writer(lane=0)

@@ -67,7 +67,7 @@ def fill(buf: shmbuf.ReplayBuffer, lane: int, n: int, episode_every: int = 0) ->
 def lane_state(buf: shmbuf.ReplayBuffer) -> list[tuple[int, int, int, int]]:
     """(lo, hi, episode, episode_start) of every lane."""
     win = buf.windows()
-    words = buf._lane_words
+    words = buf.storage.lane_words
     return [
         (
             int(win.lo[k]),
@@ -85,7 +85,7 @@ def contents(buf: shmbuf.ReplayBuffer) -> dict[int, tuple[dict[str, np.ndarray],
     C = buf.capacity
     for k, (lo, hi, _, _) in enumerate(lane_state(buf)):
         idx = np.arange(lo, hi)
-        out[k] = (buf.get(idx, k), buf._meta[k * C + idx % C].copy())
+        out[k] = (buf.get(idx, k), buf.storage.meta[k * C + idx % C].copy())
     return out
 
 
@@ -366,7 +366,7 @@ def test_failure_after_the_buffer_exists_closes_it(saved, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(shmbuf.ReplayBuffer, "_restore_lane", boom)
+    monkeypatch.setattr(shmbuf.storage.BufferStorage, "restore_lane", boom)
     before = _shm()
     with pytest.raises(RuntimeError, match="disk on fire"):
         shmbuf.ReplayBuffer.load(saved)

@@ -289,12 +289,12 @@ def test_actor_killed_mid_extend_while_the_pool_samples(start_method):
                 episode = lane_stats["episode"]
 
                 def mid_extend() -> bool:
-                    return int(buf._reserved_v[0]) > int(buf._committed_v[0])
+                    return int(buf.storage.reserved[0]) > int(buf.storage.committed[0])
 
                 assert _freeze_when(pid, mid_extend), "actor never seen mid-extend"
                 os.kill(pid, signal.SIGKILL)
                 frozen = int(buf.committed(0))
-                assert int(buf._reserved_v[0]) > frozen  # it died with an extend half-done
+                assert int(buf.storage.reserved[0]) > frozen  # it died with an extend half-done
                 sample(30)  # the pool goes on, every row whole
                 deadline = time.monotonic() + 30
                 while group.restarts == kill:

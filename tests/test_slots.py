@@ -31,7 +31,7 @@ def row(i: int) -> dict[str, object]:
 
 
 def word(buf: shmbuf.ReplayBuffer, lane: int, which: int) -> int:
-    """Word offset (in ``buf._q``) of lane word ``which`` of ``lane``."""
+    """Word offset (in ``buf.storage.words``) of lane word ``which`` of ``lane``."""
     return buf._layout.lane_word(lane, which) // 8
 
 
@@ -43,14 +43,14 @@ def window(buf: shmbuf.ReplayBuffer, lane: int = 0) -> tuple[int, int]:
 def readable(buf: shmbuf.ReplayBuffer, index: int, lane: int = 0) -> bool:
     """Does a checked read of logical ``index`` (window ignored) find it whole?"""
     out = {n: np.empty((1, *f.shape), f.dtype) for n, f in buf.spec.items()}
-    return bool(buf._gather(np.array([lane]), np.array([index]), out)[0])
+    return bool(buf.storage.gather(np.array([lane]), np.array([index]), out)[0])
 
 
 def words_of(buf: shmbuf.ReplayBuffer) -> dict[str, bytes]:
     """What the seqlock and the rows it guards leave: stamps, meta, columns, committed, claim."""
-    return {"stamps": buf._stamps.tobytes(), "meta": buf._meta.tobytes(),
-            "committed": buf._committed_v.tobytes(), "reserved": buf._reserved_v.tobytes(),
-            **{n: c.tobytes() for n, c in buf._cols.items()}}
+    return {"stamps": buf.storage.stamps.tobytes(), "meta": buf.storage.meta.tobytes(),
+            "committed": buf.storage.committed.tobytes(), "reserved": buf.storage.reserved.tobytes(),
+            **{n: c.tobytes() for n, c in buf.storage.columns.items()}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,21 +64,21 @@ def test_a_claimed_row_is_readable_only_once_stamped_even_and_published():
     with shmbuf.ReplayBuffer.create(SPEC, capacity=C) as buf:
         with buf.writer() as w:
             w.extend(rows(0, C))
-        q, i, s = buf._q, C, 0  # index 8 goes into slot 0, which holds index 0
+        q, i, s = buf.storage.words, C, 0  # index 8 goes into slot 0, which holds index 0
         assert window(buf) == (0, C) and readable(buf, 0)
 
         slots.claim(q, word(buf, 0, L.LANE_RESERVED), i + 1)
         assert window(buf) == (1, C)  # the slot about to be rewritten left the window
         assert readable(buf, 0)  # (its stamp still guards it for readers that drew it before)
 
-        slots.mark_writing(buf._stamps, s, i)
-        buf._cols["x"][s] = 1000  # half the payload: a torn row
+        slots.mark_writing(buf.storage.stamps, s, i)
+        buf.storage.columns["x"][s] = 1000  # half the payload: a torn row
         assert not readable(buf, 0) and not readable(buf, i)
         assert 1000 not in buf.sample(500, rng=0)["x"]
 
-        buf._cols["obs"][s] = 1000.0
-        buf._meta[s] = L.pack_meta(0, i)
-        slots.mark_held(buf._stamps, s, i)
+        buf.storage.columns["obs"][s] = 1000.0
+        buf.storage.meta[s] = L.pack_meta(0, i)
+        slots.mark_held(buf.storage.stamps, s, i)
         assert window(buf) == (1, C)  # held, but not published
         with pytest.raises(shmbuf.StaleIndexError):
             buf.get([i])
@@ -97,9 +97,9 @@ def test_an_odd_slot_left_by_a_dead_writer_is_rejected_and_restamped_idempotentl
             shmbuf.ReplayBuffer.create(SPEC, capacity=C) as clean:
         with crashed.writer() as w:
             w.extend(rows(0, C))
-        slots.claim(crashed._q, word(crashed, 0, L.LANE_RESERVED), C + 1)
-        slots.mark_writing(crashed._stamps, 0, C)
-        crashed._cols["x"][0] = -1  # ... and the writer died here
+        slots.claim(crashed.storage.words, word(crashed, 0, L.LANE_RESERVED), C + 1)
+        slots.mark_writing(crashed.storage.stamps, 0, C)
+        crashed.storage.columns["x"][0] = -1  # ... and the writer died here
         assert not readable(crashed, C) and not readable(crashed, 0)
         assert window(crashed) == (1, C)
         assert -1 not in crashed.sample(500, rng=0)["x"]
@@ -131,7 +131,7 @@ def test_ring_stamps_agree_with_row_stamps():
     ``mark_writing``/``mark_held`` stamp."""
     ring, one_by_one = np.zeros(C, np.int64), np.zeros(C, np.int64)
     first, n = 13, 6  # slots 5, 6, 7, 0, 1, 2
-    segments = shmbuf.buffer._ring_segments(first, n, C)
+    segments = shmbuf._util._ring_segments(first, n, C)
     slots.mark_ring_writing(ring, segments, first, 2 * np.arange(C), np.zeros((), np.int64))
     for i in range(first, first + n):
         slots.mark_writing(one_by_one, i % C, i)
@@ -154,7 +154,7 @@ def test_writer_add_inline_copy_leaves_the_words_of_slots_write_row():
             for i in range(n):
                 w.add(**row(i))
         with reference.writer() as w:
-            q = reference._q
+            q = reference.storage.words
             cols = [w._cols[k] for k, _ in enumerate(SPEC)]
             for i in range(n):
                 s = i % C
@@ -216,12 +216,12 @@ def test_clear_empties_each_window_at_committed_and_keeps_the_rows():
             w.extend(rows(0, C + 3))
         with buf.writer(lane=1) as w:
             w.extend(rows(0, 2))
-        stamps_before = buf._stamps.tobytes()
+        stamps_before = buf.storage.stamps.tobytes()
         buf.clear()
-        assert buf._committed_v.tolist() == [C + 3, 2]
-        assert buf._reserved_v.tolist() == [C + 3 + C, 2 + C]  # reserved = committed + C
+        assert buf.storage.committed.tolist() == [C + 3, 2]
+        assert buf.storage.reserved.tolist() == [C + 3 + C, 2 + C]  # reserved = committed + C
         assert [window(buf, k) for k in (0, 1)] == [(C + 3, C + 3), (2, 2)]
-        assert buf._stamps.tobytes() == stamps_before  # rows untouched, only unreachable
+        assert buf.storage.stamps.tobytes() == stamps_before  # rows untouched, only unreachable
         with buf.writer(lane=1) as w:  # the next row is the first readable one again
             w.add(**row(7))
         assert window(buf, 1) == (2, 3) and buf.get([2], lanes=1)["x"].tolist() == [7]
@@ -236,30 +236,30 @@ def test_restore_stamps_exactly_the_rows_copied_and_opens_the_window_at_first(fi
         with buf.writer(lane=1) as w:
             w.extend(rows(0, 2 * C))  # old rows that the restore must hide
         end = first + n
-        lease = buf._lock_all_lanes()
+        lease = buf.storage.lock_all_lanes()
         try:
-            lane_stamps = buf._stamps[C:]
+            lane_stamps = buf.storage.stamps[C:]
             at = (word(buf, 1, L.LANE_COMMITTED), word(buf, 1, L.LANE_RESERVED))
-            slots.begin_restore(lane_stamps, buf._q, *at, end, C)
-            assert window(buf, 1) == (end, end) and not buf._stamps[C:].any()
-            segments = shmbuf.buffer._ring_segments(first, n, C)
-            slots.finish_restore(lane_stamps, segments, first, buf._q, at[1], end, C)
+            slots.begin_restore(lane_stamps, buf.storage.words, *at, end, C)
+            assert window(buf, 1) == (end, end) and not buf.storage.stamps[C:].any()
+            segments = shmbuf._util._ring_segments(first, n, C)
+            slots.finish_restore(lane_stamps, segments, first, buf.storage.words, at[1], end, C)
             del lane_stamps
         finally:
             lease.close()
         assert window(buf, 1) == (first, end) and window(buf, 0) == (0, 0)
-        assert buf._committed_v[1] == end and buf._reserved_v[1] == max(end, first + C)
+        assert buf.storage.committed[1] == end and buf.storage.reserved[1] == max(end, first + C)
         want = np.zeros(C, np.int64)
         for i in range(first, end):
             want[i % C] = L.stamp_held(i)
-        assert buf._stamps[C:].tolist() == want.tolist()
+        assert buf.storage.stamps[C:].tolist() == want.tolist()
 
         # The same through the public path.
         state = buf.state_dict()
         with shmbuf.ReplayBuffer.create(SPEC, capacity=C, lanes=2) as other:
             other.load_state_dict(state)
             assert [window(other, k) for k in (0, 1)] == [(0, 0), (first, end)]
-            assert other._stamps.tolist() == buf._stamps.tolist()
+            assert other.storage.stamps.tolist() == buf.storage.stamps.tolist()
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_checked_reads_trust_only_stamps_held_before_and_after():
     rows, ids, copied = slots.copy_held_records(records, copy_while_record_1_is_rewritten)
     assert (rows.tolist(), ids.tolist(), copied) == ([0], [4], "copied")
     stamps = np.array([L.stamp_held(i) for i in (8, 9, 2, 3, 4, 5, 6, 7)], np.int64)
-    segments = shmbuf.buffer._ring_segments(6, 4, C)  # indices 6..9 in slots 6, 7, 0, 1
+    segments = shmbuf._util._ring_segments(6, 4, C)  # indices 6..9 in slots 6, 7, 0, 1
     assert slots.still_held_run(stamps, segments, 0, 6, 10).tolist() == [True] * 4
     stamps[0] = L.stamp_writing(16)
     assert slots.still_held_run(stamps, segments, 0, 6, 10).tolist() == [True, True, False, True]

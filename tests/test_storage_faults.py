@@ -79,11 +79,11 @@ def _kill_mid_extend(buf, ctx, rng, seed: int) -> dict:
         assert child.exitcode == -signal.SIGKILL
 
         committed = int(buf.committed(0))
-        reserved = int(buf._reserved_v[0])
+        reserved = int(buf.storage.reserved[0])
         left = {
             "took": took,
             "mid_extend": reserved > committed,  # it had claimed rows it never published
-            "odd_slots": int((buf._stamps[:KILL_CAPACITY] % 2 == 1).sum()),  # being written
+            "odd_slots": int((buf.storage.stamps[:KILL_CAPACITY] % 2 == 1).sum()),  # being written
         }
         assert committed >= start
         assert w.committed == committed, "the new writer must continue at committed"
@@ -182,7 +182,7 @@ def test_writer_sigkilled_mid_extend_of_more_rows_than_capacity():
                 os.kill(pid, signal.SIGKILL)
                 with buf.writer(lane=0, timeout=1.0) as w:
                     c = w.committed
-                    mid += int(buf._reserved_v[0]) > c
+                    mid += int(buf.storage.reserved[0]) > c
                     w.extend(procs.make_batch(0, np.arange(c, c + 10)))
                 idx = np.arange(c, c + 10)
                 rows = buf.get(idx, 0)  # StaleIndexError = committed rows hidden by the claim

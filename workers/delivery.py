@@ -125,10 +125,10 @@ class Delivery:
             return (f"the buffer holds {size} of min_size={cfg.min_size} transitions; are the "
                     f"actors writing to {buf.name!r}?")
         if cfg.limit is not None:
-            _, limit, base, n = buf._limiter.read()
+            _, limit, base, n = buf.storage.limiter.read()
             if limit is not None:
-                inserts = buf._limiter.total_committed() - base
-                samples = buf._limiter.samples(n)
+                inserts = buf.storage.limiter.total_committed() - base
+                samples = buf.storage.limiter.samples(n)
                 if not limit.can_sample(inserts, samples, self.batch_size):
                     return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
                             f"{samples}, samples_per_insert {limit.samples_per_insert}): actors "
@@ -156,7 +156,7 @@ class Delivery:
         learner-selected rows (``max_times_sampled``, the queue) as they hold back workers'
         own draws. Batches selected but not yet gathered count as sampled already: their
         workers add them to the limiter's sample count only once they are gathered."""
-        limiter = self.buf._limiter if self.cfg.limit is not None else None
+        limiter = self.buf.storage.limiter if self.cfg.limit is not None else None
         return can_sample(self.buf, limiter, self.cfg.min_size,
                           self.batch_size * (1 + self.selected_pending()))
 

@@ -49,7 +49,7 @@ class InProcessDelivery(Delivery):
         buf, cfg = self.buf, self.cfg
         deadline = time.monotonic() + timeout
         pause = 5e-5
-        limiter = buf._limiter if cfg.limit is not None else None
+        limiter = buf.storage.limiter if cfg.limit is not None else None
         target = self.local if cfg.transform is None else self.scratch
         self._wait_local_copies(deadline, timeout)
         out = {n: target[n] for n, _, _ in self.compiled.outputs}
@@ -58,7 +58,7 @@ class InProcessDelivery(Delivery):
             if self.select is not None:
                 rows = self.select.select(self.batch_size, self.select_rng) if self.may_select() else None
                 if rows is not None:
-                    if buf._gather(rows[0], rows[1], out).all():
+                    if buf.storage.gather(rows[0], rows[1], out).all():
                         self.select.gathered(0)  # in our memory now: writers may reuse slots
                         break
                     self.select.stale(rows)  # overwritten meanwhile: select again
@@ -91,7 +91,7 @@ class InProcessDelivery(Delivery):
         if probs is not None:
             local[PROBS][...], local[PMIN][0] = probs, pmin
         if limiter is not None:
-            q = buf._q
+            q = buf.storage.words
             c = limiter.counter_index(0)
             q[c] = q[c] + self.batch_size
         if self.stage is not None:

@@ -201,7 +201,7 @@ class SamplerPool:
 
     def _take_limiter(self, cfg: PoolConfig, configure: bool = True) -> None:
         buf = self._buf
-        lease = buf._seg.lease()
+        lease = buf.storage.segment.lease()
         if not lease.try_lock(L.LOCK_LIMITER):
             lease.close()
             raise ShmbufError(
@@ -214,11 +214,11 @@ class SamplerPool:
             return
         assert cfg.limit is not None
         credit = min(len(buf), cfg.limit.min_size)
-        buf._limiter.configure(cfg.limit, max(1, cfg.n_workers), credit=credit)
+        buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers), credit=credit)
         # stats() counts inserts from the very total the limiter counts from: rows written
         # between here and the end of the constructor count for both, or the reported ratio
         # drifts from the enforced one.
-        self._committed0 = buf._limiter.read()[2] + credit
+        self._committed0 = buf.storage.limiter.read()[2] + credit
 
     # -- learner side ------------------------------------------------------------------------------------
     def __iter__(self) -> SamplerPool:
@@ -311,9 +311,9 @@ class SamplerPool:
         inserts = int(self._buf.committed().sum()) - self._committed0
         samples = self._batches * self.batch_size
         if self._config.limit is not None and not self._closed:
-            _, limit, base, n = self._buf._limiter.read()
+            _, limit, base, n = self._buf.storage.limiter.read()
             if limit is not None:
-                samples = self._buf._limiter.samples(n)
+                samples = self._buf.storage.limiter.samples(n)
         ready = delivery.ready_count
         return {
             "batches": self._batches,
@@ -381,7 +381,7 @@ class SamplerPool:
             self._table = None
         if self._limiter_lease is not None:
             if not self._buf.closed:
-                self._buf._limiter.deactivate()
+                self._buf.storage.limiter.deactivate()
             self._limiter_lease.close()
             self._limiter_lease = None
         if delivery is not None:

@@ -114,7 +114,7 @@ class _Worker:
         self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
         self.seq = 0
         self.next_liveness = time.monotonic() + LIVENESS_EVERY
-        self.limiter = self.buf._limiter if cfg.rate_limited else None
+        self.limiter = self.buf.storage.limiter if cfg.rate_limited else None
         self.counter = self.limiter.counter_index(worker_id) if self.limiter else -1
         self.table = PriorityTable.attach(cfg.priority_table) if cfg.priority_table else None
         self.transform = cfg.transform
@@ -196,7 +196,7 @@ class _Worker:
             if draw.probs is not None:
                 views[PROBS][...], views[PMIN][0] = draw.probs, draw.pmin
         if self.limiter is not None:
-            q = self.buf._q
+            q = self.buf.storage.words
             q[self.counter] = q[self.counter] + self.batch_size
         ring.set(slot, W_SEQ, self.seq)
         self.seq += 1
@@ -209,7 +209,7 @@ class _Worker:
     def _gather_given(self, slot: int, views: dict[str, np.ndarray]) -> bool:
         """Gather the rows the learner chose; False if one was overwritten first."""
         target = self.targets[slot] if self.transform is None else self.scratch
-        if not self.buf._gather(views[LANES].copy(), views[INDICES].copy(), target).all():
+        if not self.buf.storage.gather(views[LANES].copy(), views[INDICES].copy(), target).all():
             return False
         self._apply_transform(views)
         return True

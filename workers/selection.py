@@ -141,9 +141,9 @@ class QueueSelection:
         self.inflight: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> rows
         self.turn = 0
         self.lost = 0
-        self._released = buf._lane_words[:, L.LANE_RELEASED, 0]
+        self._released = buf.storage.lane_words[:, L.LANE_RELEASED, 0]
         self._released[...] = self.assigned
-        buf._limiter.set_queue(True)
+        buf.storage.limiter.set_queue(True)
 
     def select(self, batch: int, rng: np.random.Generator) -> Rows | None:
         committed = self.buf.committed()
@@ -182,4 +182,4 @@ class QueueSelection:
         self.lost += int(rows[0].size)
 
     def close(self) -> None:
-        self.buf._limiter.set_queue(False)
+        self.buf.storage.limiter.set_queue(False)
