@@ -111,11 +111,16 @@ class FakeDevice:
                     self._step(lazy)
             time.sleep(self.rng.uniform(0, 0.002))
 
+    def busy(self) -> bool:
+        """Ops enqueued and not yet finished (one may be running outside the lock)."""
+        with self.lock:
+            return any(s.executed < s.enqueued for s in (self.copy, self.current))
+
     def idle(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while (self.copy.ops or self.current.ops) and time.monotonic() < deadline:
+        while self.busy() and time.monotonic() < deadline:
             time.sleep(1e-3)
-        assert not (self.copy.ops or self.current.ops), "fake device did not drain"
+        assert not self.busy(), "fake device did not drain"
 
     def stop(self) -> None:
         self.idle()
