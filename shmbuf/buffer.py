@@ -1,7 +1,8 @@
-"""``ReplayBuffer`` and ``Writer``: transitions in a POSIX shared-memory segment, per-lane rings.
+"""``ReplayBuffer``: the user's façade over a ``BufferStorage`` (``storage.py``).
 
-Writers append to their own lane under the stamp protocol of DESIGN.md; any process samples with
-vectorised seqlock checks, never waiting on a writer and never delivering a torn row.
+Writers (``writer.py``, ``vector.py``) append to their own lane under the stamp protocol of
+``slots.py``; any process samples with vectorised seqlock checks, never waiting on a writer and
+never delivering a torn row. ``Writer`` is re-exported here for compatibility.
 """
 
 from __future__ import annotations
