@@ -1,8 +1,7 @@
 """``ReplayBuffer``: the user's façade over a ``BufferStorage`` (``storage.py``).
 
-Writers (``writer.py``, ``vector.py``) append to their own lane under the stamp protocol of
-``slots.py``; any process samples with vectorised seqlock checks, never waiting on a writer and
-never delivering a torn row. ``Writer`` is re-exported here for compatibility.
+Writers (``writer.py``, ``vector.py``) append to their own lane under ``slots.py``'s protocol;
+any process samples with seqlock-checked reads, never waiting on a writer or delivering a torn row.
 """
 
 from __future__ import annotations
