@@ -10,9 +10,11 @@ stale or misplaced one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -279,6 +281,37 @@ def limiting_pool_main(buffer_name: str, conn: Any, start_method: str, batch_siz
     conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids})
     while True:
         time.sleep(1)
+
+
+@contextlib.contextmanager
+def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str) -> Iterator[tuple[Any, dict]]:
+    """A spawned process whose pool rate-limits ``buf`` (batch 8, ratio 8, tolerance 32,
+    min_size 32), started and reported; yields (process, its report). On the way out the process,
+    its workers and the staging ring it leaks when killed are cleaned up."""
+    import multiprocess
+
+    from shmbuf.segment import unlink
+
+    spawn = multiprocess.get_context("spawn")
+    parent_end, child_end = spawn.Pipe()
+    owner = spawn.Process(target=limiting_pool_main,
+                          args=(buf.name, child_end, start_method, 8, (8.0, 32), 32))
+    owner.start()
+    child_end.close()
+    info = None
+    try:
+        assert parent_end.poll(60), "the pool process never reported"
+        info = parent_end.recv()
+        yield owner, info
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(5)
+        parent_end.close()
+        if info is not None:
+            kill_quietly(info["workers"])
+            wait_dead(info["workers"], 5)
+            unlink(info["staging"])  # the dead process's leaked staging ring
 
 
 def actor_parent_main(conn: Any, start_method: str, n_actors: int) -> None:

@@ -27,7 +27,6 @@ import shmbuf
 import shmbuf.writer as writer_mod
 from shmbuf import layout as L
 from shmbuf import vector as vector_mod
-from shmbuf.segment import unlink
 from tests import pool_procs as procs
 from workers import SamplerPool
 
@@ -145,46 +144,30 @@ def test_writes_after_a_killed_limiting_pool_take_the_fast_path(start_method, mo
     """A pool in another process limits our writer until it runs out of room; the pool's
     process is SIGKILLed. Of the next 10,000 ``add`` calls only about one in
     ``ROOM_CHECK_EVERY`` may consult the limiter (``wait_for_room``), not every one."""
-    spawn = multiprocess.get_context("spawn")
-    with procs.new_buffer(capacity=512, lanes=1, rows=32) as buf:
-        parent_end, child_end = spawn.Pipe()
-        owner = spawn.Process(target=procs.limiting_pool_main,
-                              args=(buf.name, child_end, start_method, 8, (8.0, 32), 32))
-        owner.start()
-        child_end.close()
-        info = None
-        try:
-            assert parent_end.poll(60), "the pool process never reported"
-            info = parent_end.recv()
-            row = procs.make_row(0, 0)
-            with buf.writer(lane=0, insert_timeout=0.3) as w:
-                with pytest.raises(shmbuf.RateLimitTimeout):
-                    for _ in range(1000):
-                        w.add(**row)
-                os.kill(info["pid"], signal.SIGKILL)
-                owner.join(10)
-                assert not buf._seg.probe(L.LOCK_LIMITER), "the lock outlived its pool"
-                w.add(**row)  # the first add after the death finds the owner gone
-                calls = []
-                real = writer_mod.wait_for_room
-
-                def counted(*args, **kwargs):
-                    calls.append(1)
-                    return real(*args, **kwargs)
-
-                monkeypatch.setattr(writer_mod, "wait_for_room", counted)
-                n = 10_000
-                for _ in range(n):
+    with procs.new_buffer(capacity=512, lanes=1, rows=32) as buf, \
+            procs.limiting_pool_process(buf, start_method) as (owner, info):
+        row = procs.make_row(0, 0)
+        with buf.writer(lane=0, insert_timeout=0.3) as w:
+            with pytest.raises(shmbuf.RateLimitTimeout):
+                for _ in range(1000):
                     w.add(**row)
-                assert len(calls) <= math.ceil(n / writer_mod.ROOM_CHECK_EVERY) + 1, len(calls)
-        finally:
-            if owner.is_alive():
-                owner.kill()
-            owner.join(5)
-            if info is not None:
-                procs.kill_quietly(info["workers"])
-                assert procs.wait_dead(info["workers"], 5) == []
-                unlink(info["staging"])  # the dead process's leaked staging ring
+            os.kill(info["pid"], signal.SIGKILL)
+            owner.join(10)
+            assert not buf.storage.segment.probe(L.LOCK_LIMITER), "the lock outlived its pool"
+            w.add(**row)  # the first add after the death finds the owner gone
+            calls = []
+            real = writer_mod.wait_for_room
+
+            def counted(*args, **kwargs):
+                calls.append(1)
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(writer_mod, "wait_for_room", counted)
+            n = 10_000
+            for _ in range(n):
+                w.add(**row)
+            assert len(calls) <= math.ceil(n / writer_mod.ROOM_CHECK_EVERY) + 1, len(calls)
+        assert procs.wait_dead(info["workers"], 5) == []
 
 
 # --------------------------------------------------------------------------------------------

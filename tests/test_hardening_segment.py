@@ -492,7 +492,7 @@ def test_cli_inspect_refuses_a_bad_timeout_at_once(value, capsys):
 # --------------------------------------------------------------------------------------------
 # Item 8: a SIGTERM handler that goes on keeps the buffer
 # --------------------------------------------------------------------------------------------
-def _owner_child(conn: Any, how: str) -> None:
+def _owner_child_main(conn: Any, how: str) -> None:
     """Create a buffer under the SIGTERM disposition ``how``, report its name, and, once a
     SIGTERM was handled, say so; then wait for "done" and close the buffer."""
     seen = []
@@ -524,19 +524,35 @@ def _owner_child(conn: Any, how: str) -> None:
     buf.close()
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", ["handler-before-create", "handler-after-create", "ignored"])
-def test_a_sigterm_that_does_not_end_the_owner_keeps_its_buffer(how, mp):
-    """The owner checkpoints on SIGTERM (or ignores it) and goes on: restarted workers must
-    still attach by name."""
+@contextmanager
+def _owner_child(mp: Any, target: Callable[..., None], *args: Any) -> Iterator[tuple[Any, Any, str]]:
+    """Start ``target(conn, *args)`` in a child that creates a buffer and sends its name; yields
+    (process, parent end, name). On the way out: the child is killed if still alive and the
+    name is unlinked if it is still there."""
     parent, child_end = mp.Pipe()
-    proc = mp.Process(target=_owner_child, args=(child_end, how))
+    proc = mp.Process(target=target, args=(child_end, *args))
     proc.start()
     child_end.close()
     name = None
     try:
         assert parent.poll(60), "the owner child never reported"
         name = parent.recv()
+        yield proc, parent, name
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        parent.close()
+        if name is not None:
+            S.unlink(name)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["handler-before-create", "handler-after-create", "ignored"])
+def test_a_sigterm_that_does_not_end_the_owner_keeps_its_buffer(how, mp):
+    """The owner checkpoints on SIGTERM (or ignores it) and goes on: restarted workers must
+    still attach by name."""
+    with _owner_child(mp, _owner_child_main, how) as (proc, parent, name):
         os.kill(proc.pid, signal.SIGTERM)
         if how == "ignored":
             time.sleep(0.2)
@@ -550,38 +566,17 @@ def test_a_sigterm_that_does_not_end_the_owner_keeps_its_buffer(how, mp):
         proc.join(30)
         assert proc.exitcode == 0
         assert not os.path.exists(_path(name))  # and close() still unlinks it
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
-        if name is not None:
-            S.unlink(name)
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["default", "handler-exits"])
 def test_a_sigterm_that_ends_the_owner_unlinks_its_buffer(how, mp):
-    parent, child_end = mp.Pipe()
-    proc = mp.Process(target=_owner_child, args=(child_end, how))
-    proc.start()
-    child_end.close()
-    name = None
-    try:
-        assert parent.poll(60), "the owner child never reported"
-        name = parent.recv()
+    with _owner_child(mp, _owner_child_main, how) as (proc, parent, name):
         assert os.path.exists(_path(name))
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(30)
         assert proc.exitcode == (-signal.SIGTERM if how == "default" else 3)
         assert not os.path.exists(_path(name)), f"the owner ended by SIGTERM ({how}) leaked"
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
-        if name is not None:
-            S.unlink(name)
 
 
 _KEEP: list[Any] = []  # keeps the child's buffer referenced until its interpreter ends
@@ -596,24 +591,10 @@ def _owner_returns_without_close(conn: Any) -> None:
 def test_an_owner_child_that_ends_without_close_unlinks(mp):
     """A multiprocessing child ends with os._exit, which skips atexit: the cleanup also runs
     from multiprocessing's exit finalizers (the path a handler's sys.exit takes, too)."""
-    parent, child_end = mp.Pipe()
-    proc = mp.Process(target=_owner_returns_without_close, args=(child_end,))
-    proc.start()
-    child_end.close()
-    name = None
-    try:
-        assert parent.poll(60), "the owner child never reported"
-        name = parent.recv()
+    with _owner_child(mp, _owner_returns_without_close) as (proc, parent, name):
         proc.join(30)
         assert proc.exitcode == 0
         assert not os.path.exists(_path(name)), "the owner child ended and left its segment"
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
-        if name is not None:
-            S.unlink(name)
 
 
 def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:

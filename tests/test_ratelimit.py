@@ -16,7 +16,6 @@ import signal
 import threading
 import time
 
-import multiprocess
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -24,7 +23,6 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf.limiter import RateLimit
-from shmbuf.segment import unlink
 from tests import pool_procs as procs
 from workers import SamplerPool
 
@@ -498,40 +496,24 @@ def test_limiter_of_a_killed_pool_does_not_block_writers(start_method):
     """A pool in another process rate-limits our buffer, and our writer is held back. The pool's
     process is SIGKILLed (no cleanup runs, the limit stays configured in shared memory): the
     writer goes on at once instead of blocking forever, and the pool's workers exit."""
-    spawn = multiprocess.get_context("spawn")
-    with procs.new_buffer(capacity=512, lanes=1, rows=32) as buf:
-        parent_end, child_end = spawn.Pipe()
-        owner = spawn.Process(target=procs.limiting_pool_main,
-                              args=(buf.name, child_end, start_method, 8, (8.0, 32), 32))
-        owner.start()
-        child_end.close()
-        info = None
-        try:
-            assert parent_end.poll(60), "the pool process never reported"
-            info = parent_end.recv()
-            with buf.writer(lane=0, insert_timeout=0.3) as w:
-                with pytest.raises(shmbuf.RateLimitTimeout):
-                    for _ in range(1000):
-                        w.add(**procs.make_row(0, w.committed))
-                w.timeout = 30
-                t, out = _in_thread(lambda: w.add(**procs.make_row(0, w.committed)))
-                time.sleep(0.2)
-                assert not out
-                os.kill(info["pid"], signal.SIGKILL)
-                t0 = time.monotonic()
-                t.join(10)
-                assert out and isinstance(out[0], int), out
-                assert time.monotonic() - t0 < 2
-                for _ in range(100):
+    with procs.new_buffer(capacity=512, lanes=1, rows=32) as buf, \
+            procs.limiting_pool_process(buf, start_method) as (owner, info):
+        with buf.writer(lane=0, insert_timeout=0.3) as w:
+            with pytest.raises(shmbuf.RateLimitTimeout):
+                for _ in range(1000):
                     w.add(**procs.make_row(0, w.committed))
-            assert procs.wait_dead(info["workers"], 5) == []
-        finally:
-            if owner.is_alive():
-                owner.kill()
-            owner.join(5)
-            if info is not None:
-                procs.kill_quietly(info["workers"])
-                unlink(info["staging"])  # the dead process's leaked staging ring
+            w.timeout = 30
+            t, out = _in_thread(lambda: w.add(**procs.make_row(0, w.committed)))
+            time.sleep(0.2)
+            assert not out
+            os.kill(info["pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+            t.join(10)
+            assert out and isinstance(out[0], int), out
+            assert time.monotonic() - t0 < 2
+            for _ in range(100):
+                w.add(**procs.make_row(0, w.committed))
+        assert procs.wait_dead(info["workers"], 5) == []
 
 
 # --------------------------------------------------------------------------------------------
