@@ -20,7 +20,7 @@ import numpy as np
 from . import layout as L
 from . import slots
 from ._recycle import Recycler
-from ._util import _positive_int, _timeout
+from .checks import positive_int, timeout_seconds
 from .errors import (
     ClosedError,
     LaneBusyError,
@@ -242,8 +242,8 @@ class ReplayBuffer:
         self._check_open()
         # Every argument is checked before a lease exists: a refused call holds no lane, not
         # even while its exception (whose traceback keeps the frames alive) is still around.
-        wait = _timeout("timeout", timeout)
-        _timeout("insert_timeout", insert_timeout)
+        wait = timeout_seconds("timeout", timeout)
+        timeout_seconds("insert_timeout", insert_timeout)
         if num_envs is not None or lanes is not None:
             return self._vector_writer(num_envs, lanes, timeout, insert_timeout)
         candidates = [self._lane_index(lane)] if lane is not None else self._lane_order()
@@ -276,7 +276,7 @@ class ReplayBuffer:
         from .vector import VectorWriter
 
         if lanes is None:
-            num_envs = _positive_int("num_envs", num_envs)
+            num_envs = positive_int("num_envs", num_envs)
             if num_envs > self.lanes:
                 raise ValueError(
                     f"num_envs={num_envs} needs as many lanes, the buffer has {self.lanes}. Fix: "
@@ -438,7 +438,7 @@ class ReplayBuffer:
             ``discount`` / ``steps`` arrays.
         """
         self._check_open()
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         if plan or self.derived_next_obs:
             compiled = self.compile(Plan(**plan), fields)
             out = {n: self._output_array(n, (batch_size, *s), d) for n, s, d in compiled.outputs}
@@ -545,7 +545,7 @@ class ReplayBuffer:
         """
         arrays = {k: np.asarray(v) for k, v in data.items()}
         n = _check_data(arrays)
-        capacity = n if capacity is None else _positive_int("capacity", capacity)
+        capacity = n if capacity is None else positive_int("capacity", capacity)
         if n > capacity and not truncate_ok:
             raise ValueError(
                 f"data has {n} rows but capacity is {capacity}: pass truncate_ok=True to keep "
@@ -592,7 +592,7 @@ class ReplayBuffer:
             LaneBusyError: a lane keeps a live writer (of any handle) for ``timeout`` s.
         """
         self._check_open()
-        timeout = _timeout("timeout", timeout)
+        timeout = timeout_seconds("timeout", timeout)
         if self._store_writer is not None:
             self._store_writer.close()
             self._store_writer = None

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import layout as L
-from ._util import _timeout
+from .checks import timeout_seconds
 from .errors import SegmentFormatError, ShmbufError
 from .segment import (
     SHM_DIR,
@@ -312,7 +312,7 @@ def _timeout_arg(text: str) -> float:
             f"--timeout must be a number of seconds, got {text!r}"
         ) from None
     try:
-        return _timeout("--timeout", value)
+        return timeout_seconds("--timeout", value)
     except ValueError as e:  # name the text as typed, not the float it became
         raise argparse.ArgumentTypeError(str(e).replace(repr(value), repr(text))) from None
 

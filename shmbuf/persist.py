@@ -40,7 +40,7 @@ from . import _files
 from . import layout as L
 from . import slots
 from ._progress import Progress
-from ._util import _positive_int, _ring_segments
+from .checks import positive_int, ring_segments
 from .errors import CapacityError, CheckpointError, SpecMismatchError
 from .segment import fmt_bytes
 from .spec import Spec
@@ -124,7 +124,7 @@ def _copy_lanes(
         for i0 in range(lo, hi, chunk_rows):
             i1 = min(i0 + chunk_rows, hi)
             at = pos + (i0 - lo)
-            segments = _ring_segments(i0, i1 - i0, C)
+            segments = ring_segments(i0, i1 - i0, C)
             for a, b, off in segments:
                 for name, dst in out.items():
                     dst[at + off : at + off + (b - a)] = cols[name][base + a : base + b]
@@ -558,7 +558,7 @@ def load(
         capacity = saved_capacity
         _check_size(spec, capacity, len(lanes), options, f"{where}: 'capacity' or 'spec'")
     else:
-        capacity = _positive_int("capacity", capacity)
+        capacity = positive_int("capacity", capacity)
         _check_size(spec, capacity, len(lanes), options, "capacity=")
     buf = create(spec, capacity, len(lanes), name, **options)
     try:

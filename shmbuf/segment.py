@@ -47,7 +47,7 @@ from typing import Any
 import posix_ipc
 
 from . import layout as L
-from ._util import _timeout
+from .checks import timeout_seconds
 from .slots import check_platform
 from .errors import (
     BufferInUseError,
@@ -484,7 +484,7 @@ class Segment:
             UnsupportedPlatformError: not 64-bit x86 (see ``check_platform``).
             ValueError: a bad ``timeout`` (NaN, infinite, negative, not a number).
         """
-        wait = _timeout("timeout", timeout)
+        wait = timeout_seconds("timeout", timeout)
         check_platform()
         bare = normalize_name(name)
         try:

@@ -28,7 +28,7 @@ import numpy as np
 from .errors import UnsupportedPlatformError
 
 Words = Any  # memoryview("q") indexed by word offset, or an int64 ndarray (ints, slices, arrays)
-Segments = Sequence[tuple[int, int, int]]  # ring segments (a, b, off) from _util._ring_segments
+Segments = Sequence[tuple[int, int, int]]  # ring segments (a, b, off) from checks.ring_segments
 T = TypeVar("T")
 
 ALLOW_ARCH_ENV = "SHMBUF_UNSAFE_ALLOW_ARCH"

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import layout as L
 from . import slots
-from ._util import _positive_int, _ring_segments
+from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
 from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
 from .limiter import LimiterBlock
@@ -83,7 +83,7 @@ class BufferStorage:
                episode_capacity: int | None) -> BufferStorage:
         """A new segment (this process owns it); see ``ReplayBuffer.create`` for the checks."""
         spec = spec if isinstance(spec, Spec) else Spec(spec)
-        capacity, lanes = _positive_int("capacity", capacity), _positive_int("lanes", lanes)
+        capacity, lanes = positive_int("capacity", capacity), positive_int("lanes", lanes)
         if lanes > L.MAX_LANES:
             raise ValueError(f"lanes must be <= {L.MAX_LANES}, got {lanes}")
         if next_obs not in ("stored", "derived"):
@@ -98,7 +98,7 @@ class BufferStorage:
             episode_spec = Spec(episode_spec)
         if episode_capacity is None:
             episode_capacity = max(64, capacity // 8)
-        episode_capacity = _positive_int("episode_capacity", episode_capacity)
+        episode_capacity = positive_int("episode_capacity", episode_capacity)
         doc = {"kind": "buffer", "spec": spec.to_json(), "capacity": capacity, "lanes": lanes,
                "next_obs": next_obs, "episode_capacity": episode_capacity,
                "episode_spec": episode_spec.to_json() if episode_spec else []}
@@ -208,7 +208,7 @@ class BufferStorage:
         reserved_at = self.word_index(lane, L.LANE_RESERVED)
         lane_stamps = self.stamps[base : base + C]
         slots.begin_restore(lane_stamps, q, committed_at, reserved_at, end, C)  # nothing held
-        segments = _ring_segments(first, n, C)
+        segments = ring_segments(first, n, C)
         for a, b, off in segments:
             for name, src in rows.items():
                 dst = self.columns[name][base + a : base + b]

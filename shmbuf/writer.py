@@ -15,7 +15,7 @@ import numpy as np
 
 from . import layout as L
 from . import slots
-from ._util import _ring_segments, _timeout
+from .checks import ring_segments, timeout_seconds
 from .errors import ClosedError, RateLimitTimeout
 from .segment import Lease
 
@@ -122,7 +122,7 @@ class Writer:
         self._storage = storage
         self.lane = lane
         self._lease = lease
-        self.timeout = _timeout("insert_timeout", insert_timeout)
+        self.timeout = timeout_seconds("insert_timeout", insert_timeout)
         self._closed_reason: str | None = None
         # Optional: a blocking add/extend gives up (ClosedError) once this returns true; an
         # ActorContext sets it so that stopping an actor also ends a wait on the rate limiter.
@@ -254,7 +254,7 @@ class Writer:
         if n == 0:
             return range(i0, i0)
         if i0 + n > self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
-            self._make_room(n, self.timeout if timeout is None else _timeout("timeout", timeout))
+            self._make_room(n, self.timeout if timeout is None else timeout_seconds("timeout", timeout))
         C = self._C
         keep = min(n, C)
         skip = n - keep
@@ -269,7 +269,7 @@ class Writer:
         ramp, k0 = self._ramp, self._k0
         add = np.add
         stamps, meta = self._stamps, self._meta
-        segments = _ring_segments(first, keep, C)
+        segments = ring_segments(first, keep, C)
         slots.mark_ring_writing(stamps, segments, first, self._ramp2, k0)
         for col, arr in zip(self._cols, arrays):
             if skip == 0 and len(segments) == 1:

@@ -465,14 +465,14 @@ def test_attach_with_a_nan_timeout_to_a_segment_being_created_does_not_spin():
 
 
 def test_timeout_validator_accepts_numbers_and_says_how_to_wait_long():
-    from shmbuf._util import _timeout
+    from shmbuf.checks import timeout_seconds
 
-    assert _timeout("t", 0) == 0.0 and _timeout("t", np.float32(0.5)) == 0.5
-    assert _timeout("t", 7) == 7.0 and type(_timeout("t", np.int64(7))) is float
+    assert timeout_seconds("t", 0) == 0.0 and timeout_seconds("t", np.float32(0.5)) == 0.5
+    assert timeout_seconds("t", 7) == 7.0 and type(timeout_seconds("t", np.int64(7))) is float
     with pytest.raises(ValueError, match="e.g. 86400"):
-        _timeout("t", math.inf)
+        timeout_seconds("t", math.inf)
     with pytest.raises(ValueError, match="> 0"):
-        _timeout("t", 0, positive=True)
+        timeout_seconds("t", 0, positive=True)
 
 
 @pytest.mark.timeout(60)

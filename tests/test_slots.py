@@ -131,7 +131,7 @@ def test_ring_stamps_agree_with_row_stamps():
     ``mark_writing``/``mark_held`` stamp."""
     ring, one_by_one = np.zeros(C, np.int64), np.zeros(C, np.int64)
     first, n = 13, 6  # slots 5, 6, 7, 0, 1, 2
-    segments = shmbuf._util._ring_segments(first, n, C)
+    segments = shmbuf.checks.ring_segments(first, n, C)
     slots.mark_ring_writing(ring, segments, first, 2 * np.arange(C), np.zeros((), np.int64))
     for i in range(first, first + n):
         slots.mark_writing(one_by_one, i % C, i)
@@ -242,7 +242,7 @@ def test_restore_stamps_exactly_the_rows_copied_and_opens_the_window_at_first(fi
             at = (word(buf, 1, L.LANE_COMMITTED), word(buf, 1, L.LANE_RESERVED))
             slots.begin_restore(lane_stamps, buf.storage.words, *at, end, C)
             assert window(buf, 1) == (end, end) and not buf.storage.stamps[C:].any()
-            segments = shmbuf._util._ring_segments(first, n, C)
+            segments = shmbuf.checks.ring_segments(first, n, C)
             slots.finish_restore(lane_stamps, segments, first, buf.storage.words, at[1], end, C)
             del lane_stamps
         finally:
@@ -285,7 +285,7 @@ def test_checked_reads_trust_only_stamps_held_before_and_after():
     rows, ids, copied = slots.copy_held_records(records, copy_while_record_1_is_rewritten)
     assert (rows.tolist(), ids.tolist(), copied) == ([0], [4], "copied")
     stamps = np.array([L.stamp_held(i) for i in (8, 9, 2, 3, 4, 5, 6, 7)], np.int64)
-    segments = shmbuf._util._ring_segments(6, 4, C)  # indices 6..9 in slots 6, 7, 0, 1
+    segments = shmbuf.checks.ring_segments(6, 4, C)  # indices 6..9 in slots 6, 7, 0, 1
     assert slots.still_held_run(stamps, segments, 0, 6, 10).tolist() == [True] * 4
     stamps[0] = L.stamp_writing(16)
     assert slots.still_held_run(stamps, segments, 0, 6, 10).tolist() == [True, True, False, True]

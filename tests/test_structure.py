@@ -53,12 +53,7 @@ KNOWN_DEBTS: dict[str, Any] = {
     # (shmbuf module, workers module)
     "shmbuf_imports_workers": set(),
     # (workers module, private name of shmbuf it touches)
-    "private_access": {
-        ("workers.actors", "shmbuf._util._timeout"),
-        ("workers.config", "shmbuf._util._positive_int"),
-        ("workers.config", "shmbuf._util._timeout"),
-        ("workers.pool", "shmbuf._util._timeout"),
-    },
+    "private_access": set(),
     # module: its line count (may shrink, may not grow)
     "long_module": {
         "shmbuf.buffer": 765,

@@ -22,7 +22,7 @@ import multiprocess
 import numpy as np
 
 from shmbuf import ReplayBuffer, Writer
-from shmbuf._util import _timeout
+from shmbuf.checks import timeout_seconds
 from shmbuf.errors import ActorError, ClosedError
 
 from .channel import OP_DONE, OP_ERROR, Channel
@@ -151,7 +151,7 @@ class ActorGroup:
             raise ValueError(f"n_actors must be a positive int, got {n_actors!r}")
         if restart not in RESTART_POLICIES:
             raise ValueError(f"restart must be one of {RESTART_POLICIES}, got {restart!r}")
-        lane_timeout = _timeout("lane_timeout", lane_timeout)
+        lane_timeout = timeout_seconds("lane_timeout", lane_timeout)
         self._own_buffer = not isinstance(buffer, ReplayBuffer)
         self._buf = ReplayBuffer.attach(buffer) if self._own_buffer else buffer
         lanes = list(range(n_actors)) if lanes is None else list(lanes)
@@ -250,7 +250,7 @@ class ActorGroup:
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every actor to finish (polling); True if all did."""
-        deadline = time.monotonic() + _timeout("timeout", timeout)
+        deadline = time.monotonic() + timeout_seconds("timeout", timeout)
         while time.monotonic() < deadline:
             self.poll()
             if all(a.finished for a in self._actors):
@@ -260,7 +260,7 @@ class ActorGroup:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask every actor to stop; after ``timeout`` terminate, then kill. Idempotent."""
-        timeout = _timeout("timeout", timeout)
+        timeout = timeout_seconds("timeout", timeout)
         if self._stopped:
             return
         self._stopped = True

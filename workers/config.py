@@ -15,7 +15,7 @@ import cloudpickle
 import numpy as np
 
 from shmbuf import layout as L
-from shmbuf._util import _positive_int, _timeout
+from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
@@ -67,7 +67,7 @@ class PoolConfig:
         """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
         if device is not None:
-            device_prefetch = _positive_int("device_prefetch", device_prefetch)
+            device_prefetch = positive_int("device_prefetch", device_prefetch)
             if output not in ("numpy", "torch"):
                 raise ValueError(f"device= delivers torch tensors; drop output={output!r}")
             output = "torch"
@@ -75,7 +75,7 @@ class PoolConfig:
             plan = Plan(**plan_kwargs)
         elif plan_kwargs:
             raise ValueError(f"pass either plan= or its options, not both ({plan_kwargs})")
-        batch_size = _positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         if n_workers is None:
             n_workers = max(1, min(4, (os.cpu_count() or 2) - 1))
         if not isinstance(n_workers, int) or not 0 <= n_workers <= L.MAX_SAMPLERS:
@@ -89,8 +89,8 @@ class PoolConfig:
             )
         if output not in OUTPUTS:
             raise ValueError(f"output must be 'numpy', 'torch' or 'jax', got {output!r}")
-        timeout = _timeout("timeout", timeout, positive=True)
-        min_size = _positive_int("min_size", min_size)
+        timeout = timeout_seconds("timeout", timeout, positive=True)
+        min_size = positive_int("min_size", min_size)
         limit = _rate_limit(samples_per_insert, min_size, batch_size)
         if max_restarts_per_minute < 0:
             raise ValueError(

@@ -18,7 +18,7 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf import layout as L
-from shmbuf._util import _timeout
+from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
@@ -239,7 +239,7 @@ class SamplerPool:
                 thread closes the pool).
         """
         self._check_open()
-        timeout = self.timeout if timeout is None else _timeout("timeout", timeout, positive=True)
+        timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
         assert delivery is not None
         if delivery.held is not None:
@@ -358,7 +358,7 @@ class SamplerPool:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (gracefully, then firmly), lift the rate limit and free the staging
         ring. Wakes a thread blocked in ``next()``. Idempotent."""
-        timeout = _timeout("timeout", timeout)
+        timeout = timeout_seconds("timeout", timeout)
         if self._closed:
             return
         self._closed = True

@@ -1,4 +1,5 @@
-"""Small shared helpers: argument checks and ring-segment math."""
+"""Argument checks and ring-segment math, shared by ``shmbuf`` and ``workers`` (public on
+purpose: the workers validate their timeouts and sizes with the same words)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 
 
-def _ring_segments(first: int, n: int, C: int) -> list[tuple[int, int, int]]:
+def ring_segments(first: int, n: int, C: int) -> list[tuple[int, int, int]]:
     """Contiguous slot ranges [a, b) for logical indices [first, first+n), n <= C, with the
     offset of each range's first row within the n."""
     s0 = first % C
@@ -19,13 +20,13 @@ def _ring_segments(first: int, n: int, C: int) -> list[tuple[int, int, int]]:
     return [(s0, C, 0), (0, n - head, head)]
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
-def _timeout(name: str, value: Any, positive: bool = False) -> float:
+def timeout_seconds(name: str, value: Any, positive: bool = False) -> float:
     """Seconds for a blocking call: a finite real number >= 0 (> 0 if ``positive``).
 
     The one check every public ``timeout=`` goes through. Refused, with a ValueError naming
