@@ -12,7 +12,6 @@ from shmbuf.errors import Timeout
 
 from .batch import Batch
 from .delivery import Delivery, PoolParts
-from .sampler_proc import can_sample
 from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
 
 
@@ -49,7 +48,7 @@ class InProcessDelivery(Delivery):
         buf, cfg = self.buf, self.cfg
         deadline = time.monotonic() + timeout
         pause = 5e-5
-        limiter = buf.storage.limiter if cfg.limit is not None else None
+        limiter = buf.storage.limiter
         target = self.local if cfg.transform is None else self.scratch
         self._wait_local_copies(deadline, timeout)
         out = {n: target[n] for n, _, _ in self.compiled.outputs}
@@ -63,7 +62,7 @@ class InProcessDelivery(Delivery):
                         break
                     self.select.stale(rows)  # overwritten meanwhile: select again
                     continue
-            elif can_sample(buf, limiter, cfg.min_size, self.batch_size):
+            elif limiter.can_sample(self.batch_size, cfg.min_size, cfg.limit is not None):
                 break
             now = time.monotonic()
             if now >= deadline:
@@ -90,10 +89,8 @@ class InProcessDelivery(Delivery):
         local[LANES][...] = lanes
         if probs is not None:
             local[PROBS][...], local[PMIN][0] = probs, pmin
-        if limiter is not None:
-            q = buf.storage.words
-            c = limiter.counter_index(0)
-            q[c] = q[c] + self.batch_size
+        if cfg.limit is not None:
+            limiter.record_samples(0, self.batch_size)
         if self.stage is not None:
             self.submit_slot(0, step)
             return self.hold_device()

@@ -17,7 +17,6 @@ import multiprocess
 import numpy as np
 
 from shmbuf import ReplayBuffer
-from shmbuf import layout as L
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
 from shmbuf.priority import PriorityTable
@@ -201,24 +200,17 @@ class SamplerPool:
 
     def _take_limiter(self, cfg: PoolConfig, configure: bool = True) -> None:
         buf = self._buf
-        lease = buf.storage.segment.lease()
-        if not lease.try_lock(L.LOCK_LIMITER):
-            lease.close()
-            raise ShmbufError(
-                f"another SamplerPool already rate-limits buffer {buf.name!r}; only one pool "
-                f"may set samples_per_insert or sampler='queue' on a buffer at a time"
-            )
-        self._limiter_lease = lease
+        self._limiter_lease = buf.storage.limiter.take()
         if not configure:  # queue mode: no ratio; stats count inserts from now
             self._committed0 = int(buf.committed().sum())
             return
         assert cfg.limit is not None
         credit = min(len(buf), cfg.limit.min_size)
-        buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers), credit=credit)
         # stats() counts inserts from the very total the limiter counts from: rows written
         # between here and the end of the constructor count for both, or the reported ratio
         # drifts from the enforced one.
-        self._committed0 = buf.storage.limiter.read()[2] + credit
+        self._committed0 = buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers),
+                                                         credit=credit)
 
     # -- learner side ------------------------------------------------------------------------------------
     def __iter__(self) -> SamplerPool:
@@ -311,9 +303,9 @@ class SamplerPool:
         inserts = int(self._buf.committed().sum()) - self._committed0
         samples = self._batches * self.batch_size
         if self._config.limit is not None and not self._closed:
-            _, limit, base, n = self._buf.storage.limiter.read()
-            if limit is not None:
-                samples = self._buf.storage.limiter.samples(n)
+            limiter = self._buf.storage.limiter.stats()
+            if limiter["active"]:
+                samples = limiter["samples"]
         ready = delivery.ready_count
         return {
             "batches": self._batches,
