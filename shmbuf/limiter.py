@@ -10,6 +10,7 @@ contract over the segment's limiter block: every writer, sampler and pool goes t
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 import time
 from collections.abc import Callable
@@ -133,10 +134,11 @@ class Limiter:
     concurrently may each take one batch past the limit (Reverb serialises them; we do not).
     """
 
-    def __init__(self, segment: Segment, layout: L.BufferLayout, words: memoryview,
-                 committed: np.ndarray, reserved: np.ndarray, released: np.ndarray) -> None:
+    def __init__(self, segment: Segment, mm: mmap.mmap, layout: L.BufferLayout,
+                 words: memoryview, committed: np.ndarray, reserved: np.ndarray,
+                 released: np.ndarray) -> None:
         self._segment = segment
-        self._mm = segment.buf
+        self._mm = mm  # the segment's mapping (f64 words); closing it is the segment's business
         self._q = words
         self._capacity = layout.capacity
         self._lanes = layout.lanes
@@ -153,7 +155,6 @@ class Limiter:
     def drop_views(self) -> None:
         """Let go of the segment's memory (the storage is closing); the limiter is unusable."""
         self._q = self._committed_v = self._reserved_v = self._released_v = None  # type: ignore[assignment]
-        self._mm = None
 
     # -- reading the block ------------------------------------------------------------------------
     def _word(self, w: int) -> int:

@@ -18,7 +18,7 @@ from . import layout as L
 from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
-from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
+from .errors import ClosedError, LaneBusyError, SegmentFormatError, SpecMismatchError
 from .limiter import Limiter
 from .sampling import Windows
 from .segment import Lease, Segment
@@ -119,6 +119,8 @@ class BufferStorage:
     # -- views ---------------------------------------------------------------------------------------
     def map_views(self) -> None:
         mm, lay = self.segment.buf, self.layout
+        if mm is None:
+            raise ClosedError(f"segment {self.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         lanes = np.frombuffer(
             mm, "<i8", count=lay.lanes * L.LANE_LINES * L.WORDS_PER_LINE, offset=lay.lane_offset
@@ -129,7 +131,7 @@ class BufferStorage:
         self.stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
-        self.limiter = Limiter(self.segment, lay, self.words, self.committed, self.reserved,
+        self.limiter = Limiter(self.segment, mm, lay, self.words, self.committed, self.reserved,
                                lanes[:, L.LANE_RELEASED, 0])
         self.episodes: EpisodeTable | None = None
         if lay.episode_capacity:
