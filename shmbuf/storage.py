@@ -19,9 +19,10 @@ from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
 from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
+from .lease import Lease
 from .limiter import LimiterBlock
 from .sampling import Windows
-from .segment import Lease, Segment
+from .segment import Segment
 from .spec import RowChecker, Spec
 
 
