@@ -21,9 +21,10 @@ from .episodes import EpisodeTable
 from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
 from .lease import Lease
 from .limiter import LimiterBlock
+from .rowcheck import RowChecker
 from .sampling import Windows
 from .segment import Segment
-from .spec import RowChecker, Spec
+from .spec import Spec
 
 
 def field_tuples(spec: Spec) -> list[tuple[str, tuple[int, ...], np.dtype]]:
