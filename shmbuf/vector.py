@@ -19,7 +19,7 @@ import numpy as np
 from . import layout as L
 from . import slots
 from .errors import ClosedError, SpecMismatchError
-from .spec import RowChecker
+from .rowcheck import RowChecker
 from .writer import Writer
 
 if TYPE_CHECKING:
