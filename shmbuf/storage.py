@@ -133,8 +133,8 @@ class BufferStorage:
         self.stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
-        self.limiter = Limiter(self.segment, mm, lay, self.words, self.committed, self.reserved,
-                               lanes[:, L.LANE_RELEASED, 0])
+        self.limiter = Limiter(self.segment, mm, lay, words=self.words, committed=self.committed,
+                               reserved=self.reserved, released=lanes[:, L.LANE_RELEASED, 0])
         self.episodes: EpisodeTable | None = None
         if lay.episode_capacity:
             ep_cols = {c.name: _column(mm, c) for c in lay.episode_columns}
