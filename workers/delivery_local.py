@@ -13,7 +13,7 @@ from shmbuf.errors import Timeout
 from .batch import Batch
 from .delivery import Delivery, PoolParts
 from .sampler_proc import can_sample
-from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
+from .staging import WEIGHTS, slot_arrays, write_rows
 
 
 class InProcessDelivery(Delivery):
@@ -29,12 +29,9 @@ class InProcessDelivery(Delivery):
     def __init__(self, parts: PoolParts) -> None:
         super().__init__(parts)
         cfg, compiled, b = parts.cfg, parts.compiled, parts.cfg.batch_size
-        self.local: dict[str, np.ndarray] = {n: np.empty((b, *s), d) for n, s, d in parts.out_arrays}
-        self.local.update({
-            INDICES: np.zeros((b, *compiled.index_shape), np.int64),
-            LANES: np.zeros(b, np.int64), WEIGHTS: np.ones(b, np.float32),
-            PROBS: np.zeros(b, np.float64), PMIN: np.zeros(1, np.float64),
-        })
+        self.local = {name: np.zeros(shape, dtype) for name, shape, dtype
+                      in slot_arrays(parts.out_arrays, b, compiled.index_shape)}
+        self.local[WEIGHTS][...] = 1.0
         # Without a transform rows are gathered straight into the slot; with one, into scratch.
         self.scratch = compiled.allocate(b) if cfg.transform is not None else None
         self.rng = np.random.default_rng(cfg.seed)
@@ -55,13 +52,14 @@ class InProcessDelivery(Delivery):
         out = {n: target[n] for n, _, _ in self.compiled.outputs}
         while True:
             rows = None
-            if self.select is not None:
-                rows = self.select.select(self.batch_size, self.select_rng) if self.may_select() else None
+            if self.selection.learner_selects:
+                rows = (self.selection.select(self.batch_size, self.selection_rng)
+                        if self.may_select() else None)
                 if rows is not None:
                     if buf.storage.gather(rows[0], rows[1], out).all():
-                        self.select.gathered(0)  # in our memory now: writers may reuse slots
+                        self.selection.gathered(0)  # in our memory now: writers may reuse slots
                         break
-                    self.select.stale(rows)  # overwritten meanwhile: select again
+                    self.selection.stale(rows)  # overwritten meanwhile: select again
                     continue
             elif can_sample(buf, limiter, cfg.min_size, self.batch_size):
                 break
@@ -74,8 +72,8 @@ class InProcessDelivery(Delivery):
         if rows is not None:
             lanes, indices, probs, pmin = rows
         else:
-            if self.table is not None:
-                draw = buf.sample_into(out, self.rng, sampler=self.table.draw)
+            if self.selection.table is not None:
+                draw = buf.sample_into(out, self.rng, sampler=self.selection.table.draw)
             else:
                 draw = buf.sample_into(out, self.rng, plan=self.compiled)
             lanes, indices, probs, pmin = draw.lanes, draw.indices, draw.probs, draw.pmin
@@ -86,17 +84,14 @@ class InProcessDelivery(Delivery):
             result = batch if result is None else result
             for name in self.out_fields:
                 np.copyto(local[name], np.asarray(result[name]), casting="same_kind")
-        local[INDICES][...] = indices
-        local[LANES][...] = lanes
-        if probs is not None:
-            local[PROBS][...], local[PMIN][0] = probs, pmin
+        write_rows(local, lanes, indices, probs, pmin)
         if limiter is not None:
             q = buf.storage.words
             c = limiter.counter_index(0)
             q[c] = q[c] + self.batch_size
         if self.stage is not None:
-            self.submit_slot(0, step)
-            return self.hold_device()
+            self.submit_slot(self.stage, 0, step)
+            return self.hold_device(self.stage)
         return self.hold(0, step)
 
     def _wait_local_copies(self, deadline: float, timeout: float) -> None:
