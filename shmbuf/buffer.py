@@ -38,7 +38,6 @@ from .writer import Writer
 RECYCLE_MIN_BYTES = 64 * 1024  # sample() recycles output arrays at least this large ...
 RECYCLE_KEEP = 4  # ... keeping up to this many per (field, batch size)
 MAX_RETRIES = 64  # redraw rounds for rows that fail their seqlock check before SamplingError
-ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited
 DEFAULT_INSERT_TIMEOUT = 60.0
 
 RngLike = np.random.Generator | int | None

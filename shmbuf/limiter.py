@@ -3,26 +3,31 @@
 ``RateLimit`` is the pure math (Reverb's ``SampleToInsertRatio``): sampling waits until
 ``min_size`` transitions were inserted; with ``samples_per_insert=(ratio, tolerance)`` the
 difference ``inserts * ratio - samples`` must stay within ``min_size * ratio -/+ tolerance``, so
-samplers wait when they run ahead and writers wait when they do.
-
-``LimiterBlock`` reads and writes that state in shared memory.
-
-Concurrency: the config words are written only by the pool holding ``LOCK_LIMITER`` (it bumps
-``generation`` last). Sampler counter j is written only by the process holding sampler slot j.
-Inserts are the lanes' ``committed`` counters, each written by its lane's writer. Everyone else
-only loads, and nobody waits on a lock a dead process could hold: a limiter whose owner died is
-treated as inactive.
+samplers wait when they run ahead and writers wait when they do. ``Limiter`` is the whole
+contract over the segment's limiter block: every writer, sampler and pool goes through it.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from . import layout as L
+from . import slots
+from .errors import RateLimitTimeout, ShmbufError
+
+if TYPE_CHECKING:
+    from .segment import Lease, Segment
 
 _F64 = struct.Struct("<d")
+ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited
 
 
 @dataclass(frozen=True)
@@ -102,35 +107,64 @@ class RateLimit:
         return max(1, math.floor(self.tolerance / self.samples_per_insert))
 
 
-class LimiterBlock:
-    """The limiter region of a replay buffer segment, read through a ``memoryview`` of int64.
+class Limiter:
+    """The rate limiter of one buffer, over its segment's limiter block (``layout.LIM_*``).
 
-    ``words`` is the whole segment cast to int64; ``layout`` the buffer's layout.
+    Writers call ``wait_for_insert`` before they publish rows; samplers ask ``can_sample``
+    before they draw (once per batch, on every sampling path: worker draws, learner-selected
+    rows, in-process) and ``record_samples`` once the batch is gathered; the pool that drives
+    the limit ``take``s it, then ``configure``s, ``set_queue``s and ``deactivate``s it, and
+    reads ``blocked_reason`` and ``stats``.
+
+    Concurrency (who writes which word; everyone else only loads):
+
+    - the config lines (``LIM_SPI``, ``LIM_MIN_DIFF``, ``LIM_MAX_DIFF``, ``LIM_MIN_SIZE``,
+      ``LIM_INSERTS_BASE``, ``LIM_N_SAMPLERS``, ``LIM_ACTIVE``, ``LIM_QUEUE``,
+      ``LIM_GENERATION``): only the process holding ``LOCK_LIMITER`` (``take``), through
+      ``configure``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
+      a writer that sees the generation it read before may keep the room it was granted;
+    - sampler counter j (``layout.sampler_counter(j)``): only the process holding sampler slot
+      j of the limiting pool (worker j, or the in-process pool as sampler 0), through
+      ``record_samples``; ``configure`` zeroes them before it activates the limit;
+    - inserts are the lanes' ``committed`` words, each stored by its lane's writer (``slots``);
+      in queue mode ``LANE_RELEASED`` is stored by the queue's pool (``workers.selection``).
+
+    Nobody waits on a lock a dead process could hold: a writer that finds no room probes
+    ``LOCK_LIMITER``, and a limiter whose pool died is treated as lifted. Samplers that check
+    concurrently may each take one batch past the limit (Reverb serialises them; we do not).
     """
 
-    def __init__(self, words: memoryview, mm: object, layout: L.BufferLayout) -> None:
+    def __init__(self, segment: Segment, mm: mmap.mmap, layout: L.BufferLayout,
+                 words: memoryview, committed: np.ndarray, reserved: np.ndarray,
+                 released: np.ndarray) -> None:
+        self._segment = segment
+        self._mm = mm  # the segment's mapping (f64 words); closing it is the segment's business
         self._q = words
-        self._mm = mm
-        self._layout = layout
+        self._capacity = layout.capacity
+        self._lanes = layout.lanes
+        self._committed_v, self._reserved_v, self._released_v = committed, reserved, released
         self._cfg = layout.limiter_offset // 8
         self._ctr = layout.sampler_counter(0) // 8
         self._committed = [
             layout.lane_word(k, L.LANE_COMMITTED) // 8 for k in range(layout.lanes)
         ]
+        self.generation_index = self._word(L.LIM_GENERATION)
+        """Index in the segment's int64 words of the generation: writers compare it to the
+        generation ``wait_for_insert`` returned before each insert."""
 
+    def drop_views(self) -> None:
+        """Let go of the segment's memory (the storage is closing); the limiter is unusable."""
+        self._q = self._committed_v = self._reserved_v = self._released_v = None  # type: ignore[assignment]
+
+    # -- reading the block ------------------------------------------------------------------------
     def _word(self, w: int) -> int:
         return self._cfg + w * L.WORDS_PER_LINE
 
     def _f64(self, w: int) -> float:
-        return _F64.unpack_from(self._mm, (self._cfg + w * L.WORDS_PER_LINE) * 8)[0]
+        value: float = _F64.unpack_from(self._mm, (self._cfg + w * L.WORDS_PER_LINE) * 8)[0]
+        return value
 
-    def generation(self) -> int:
-        return self._q[self._word(L.LIM_GENERATION)]
-
-    def active(self) -> bool:
-        return self._q[self._word(L.LIM_ACTIVE)] == 1
-
-    def read(self) -> tuple[int, RateLimit | None, int, int]:
+    def _read(self) -> tuple[int, RateLimit | None, int, int]:
         """(generation, limit or None if inactive, inserts_base, n_samplers)."""
         q = self._q
         gen = q[self._word(L.LIM_GENERATION)]
@@ -144,55 +178,196 @@ class LimiterBlock:
         limit = RateLimit(int(min_size), spi if spi > 0 else None, max(0.0, tol))
         return gen, limit, q[self._word(L.LIM_INSERTS_BASE)], q[self._word(L.LIM_N_SAMPLERS)]
 
-    def total_committed(self) -> int:
+    def _total_committed(self) -> int:
         q = self._q
         return sum(q[w] for w in self._committed)
 
-    def samples(self, n_samplers: int) -> int:
+    def _samples(self, n_samplers: int) -> int:
         q = self._q
         base = self._ctr
         return sum(q[base + j * L.WORDS_PER_LINE] for j in range(n_samplers))
 
-    def counter_index(self, slot: int) -> int:
-        """Index into the int64 word view of sampler counter ``slot``."""
-        return self._ctr + slot * L.WORDS_PER_LINE
+    def _queue_active(self) -> bool:
+        return self._q[self._word(L.LIM_QUEUE)] == 1
 
-    # -- writes: only the holder of LOCK_LIMITER ----------------------------------------------
-    def configure(self, limit: RateLimit, n_samplers: int, credit: int = 0) -> None:
+    def _size(self) -> int:
+        """Rows readable now, over all lanes (``BufferStorage.windows().total``)."""
+        lo, hi = slots.read_windows(self._reserved_v, self._committed_v, self._capacity)
+        return int((hi - lo).sum())
+
+    # -- writers ---------------------------------------------------------------------------------
+    def wait_for_insert(self, n: int, timeout: float, check_open: Callable[[], None], who: str,
+                        lanes: Any) -> tuple[int, int]:
+        """Wait until ``n`` more rows may be inserted into each of ``lanes``; return (rows
+        allowed per lane before the next check, the generation read).
+
+        Two limits apply when a pool sets them: the samples-per-insert ratio, and queue mode (a
+        lane may hold at most ``capacity`` rows not yet delivered). Both are lifted at once if
+        the pool that set them dies. ``check_open`` is called while waiting (it raises to end
+        the wait: a closed or stopped writer).
+
+        Raises:
+            RateLimitTimeout: not within ``timeout`` (nothing was written).
+            ValueError: ``n`` rows can never fit.
+        """
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        capacity = self._capacity
+        while True:
+            gen, limit, base, n_samplers = self._read()
+            queue = self._queue_active()
+            if limit is None and not queue:
+                return max(4 * n, ROOM_CHECK_EVERY), gen
+            room, why = 1 << 62, ""  # rows the limits allow now
+            if queue:
+                if n > capacity:
+                    raise ValueError(
+                        f"{n} rows at once can never fit a queue of {capacity} rows per lane. "
+                        f"Fix: split the batch"
+                    )
+                undelivered = self._committed_v[lanes] - self._released_v[lanes]
+                room = min(room, int(capacity - undelivered.max()))
+                why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
+            if limit is not None:
+                inserts = self._total_committed() - base
+                samples = self._samples(n_samplers)
+                allowed = limit.inserts_allowed(inserts, samples)
+                if allowed < n and inserts + n > limit.min_size and n > limit.max_insert_chunk():
+                    raise ValueError(
+                        f"{n} rows at once can never pass the rate limiter: with "
+                        f"samples_per_insert={limit.samples_per_insert} and tolerance "
+                        f"{limit.tolerance}, at most {limit.max_insert_chunk()} rows fit at "
+                        f"once. Fix: split the batch, or raise the tolerance"
+                    )
+                # Share the headroom with the other lanes' writers: the ratio then holds to
+                # within about one insert per writer without any cross-process lock.
+                room = min(room, max(allowed // self._lanes, min(allowed, n)))
+                if allowed < n:
+                    why = (f"inserts {inserts}, samples {samples}, samples_per_insert "
+                           f"{limit.samples_per_insert}: the samplers are not keeping up")
+            if room >= n:
+                return min(room, max(n, ROOM_CHECK_EVERY)), gen
+            if not self._segment.probe(L.LOCK_LIMITER):
+                # The pool that set the limit died without lifting it: nobody samples any more,
+                # so the limits are void, as if lifted. Grant a whole check interval (not just
+                # ``n``, which would send every later row through this probe); a pool that
+                # limits the buffer again bumps the generation, which writers notice at once.
+                return max(4 * n, ROOM_CHECK_EVERY), gen
+            check_open()
+            now = time.monotonic()
+            if now >= deadline:
+                fix = ("a larger timeout, or a learner that takes batches faster" if queue else
+                       "a larger timeout, more sampling, or a larger samples_per_insert "
+                       "tolerance")
+                raise RateLimitTimeout(
+                    f"{who}: waited {timeout}s for room for {n} row(s): {why}. Nothing was "
+                    f"written. Fix: {fix}"
+                )
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 2e-3)
+
+    # -- samplers --------------------------------------------------------------------------------
+    def can_sample(self, batch_size: int, min_size: int, limited: bool = True) -> bool:
+        """May a batch of ``batch_size`` rows be drawn now? The active limit's verdict when
+        ``limited`` (the caller's pool drives the limiter), else: the buffer holds ``min_size``
+        rows."""
+        if limited:
+            _, limit, base, n_samplers = self._read()
+            if limit is not None:
+                inserts = self._total_committed() - base
+                return limit.can_sample(inserts, self._samples(n_samplers), batch_size)
+        return self._size() >= min_size
+
+    def record_samples(self, sampler: int, n: int) -> None:
+        """Count ``n`` rows sampled by sampler slot ``sampler`` (its holder only)."""
+        q, at = self._q, self._ctr + sampler * L.WORDS_PER_LINE
+        q[at] = q[at] + n
+
+    def blocked_reason(self, batch_size: int, min_size: int, limited: bool = True) -> str | None:
+        """Why ``can_sample`` says no (too few rows, or the ratio), and what to do; None if it
+        does not."""
+        size = self._size()
+        if size < min_size:
+            return (f"the buffer holds {size} of min_size={min_size} transitions; are the "
+                    f"actors writing to {self._segment.name!r}?")
+        if limited:
+            _, limit, base, n_samplers = self._read()
+            if limit is not None:
+                inserts = self._total_committed() - base
+                samples = self._samples(n_samplers)
+                if not limit.can_sample(inserts, samples, batch_size):
+                    return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
+                            f"{samples}, samples_per_insert {limit.samples_per_insert}): "
+                            f"actors are not inserting fast enough")
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot: ``generation``, ``active``, ``queue``; while active also ``min_size``,
+        ``samples_per_insert``, ``tolerance``, ``n_samplers``, and the ``inserts`` and
+        ``samples`` the limit counts."""
+        gen, limit, base, n_samplers = self._read()
+        out: dict[str, Any] = {"generation": gen, "active": limit is not None,
+                               "queue": self._queue_active()}
+        if limit is not None:
+            out.update(min_size=limit.min_size, samples_per_insert=limit.samples_per_insert,
+                       tolerance=limit.tolerance, n_samplers=n_samplers,
+                       inserts=self._total_committed() - base, samples=self._samples(n_samplers))
+        return out
+
+    # -- the pool that drives it (holds LOCK_LIMITER) ---------------------------------------------
+    def take(self) -> Lease:
+        """Take ``LOCK_LIMITER``: the returned lease makes this process the limiter's only
+        writer until it is closed (or the process dies, which lifts the limits).
+
+        Raises:
+            ShmbufError: another pool holds it.
+        """
+        lease = self._segment.lease()
+        if not lease.try_lock(L.LOCK_LIMITER):
+            lease.close()
+            raise ShmbufError(
+                f"another SamplerPool already rate-limits buffer {self._segment.name!r}; only "
+                f"one pool may set samples_per_insert or sampler='queue' on a buffer at a time"
+            )
+        return lease
+
+    def configure(self, limit: RateLimit, n_samplers: int, credit: int = 0) -> int:
         """Activate ``limit`` for samplers [0, n_samplers); zero their counters.
 
         Inserts are counted from now, plus ``credit`` for rows already present (a pool started on
         a pre-filled buffer passes ``min(len(buf), min_size)`` so it starts at equilibrium).
+
+        Returns:
+            the total of the lanes' ``committed`` counters the inserts are counted from.
         """
         if not 0 < n_samplers <= L.MAX_SAMPLERS:
             raise ValueError(f"n_samplers must be in [1, {L.MAX_SAMPLERS}], got {n_samplers}")
         q = self._q
         for j in range(n_samplers):
-            q[self.counter_index(j)] = 0
+            q[self._ctr + j * L.WORDS_PER_LINE] = 0
         spi = limit.samples_per_insert or 0.0
         mm = self._mm
         _F64.pack_into(mm, self._word(L.LIM_SPI) * 8, spi)
         _F64.pack_into(mm, self._word(L.LIM_MIN_DIFF) * 8, limit.min_diff if spi else 0.0)
         _F64.pack_into(mm, self._word(L.LIM_MAX_DIFF) * 8, limit.max_diff if spi else 0.0)
         q[self._word(L.LIM_MIN_SIZE)] = int(limit.min_size)
-        q[self._word(L.LIM_INSERTS_BASE)] = self.total_committed() - int(credit)
+        origin = self._total_committed()
+        q[self._word(L.LIM_INSERTS_BASE)] = origin - int(credit)
         q[self._word(L.LIM_N_SAMPLERS)] = n_samplers
         q[self._word(L.LIM_ACTIVE)] = 1
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
+        return origin
 
     def deactivate(self) -> None:
+        """Lift every limit (ratio and queue)."""
         q = self._q
         q[self._word(L.LIM_ACTIVE)] = 0
         q[self._word(L.LIM_QUEUE)] = 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
 
-    def queue_active(self) -> bool:
-        return self._q[self._word(L.LIM_QUEUE)] == 1
-
     def set_queue(self, on: bool) -> None:
-        """Queue mode on or off (the holder of LOCK_LIMITER only): writers then wait while
-        their lane holds ``capacity`` rows not yet delivered (``LANE_RELEASED``)."""
+        """Queue mode on or off: writers then wait while their lane holds ``capacity`` rows not
+        yet delivered (``LANE_RELEASED``)."""
         q = self._q
         q[self._word(L.LIM_QUEUE)] = 1 if on else 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
-

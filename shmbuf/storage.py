@@ -1,7 +1,7 @@
 """``BufferStorage``: one replay buffer's segment and the named views every part works on.
 
 Create, attach and close the segment; the lane words, stamps, meta words and field columns as
-NumPy views; lane windows, lane leases, the rate-limiter block, the episode table and the
+NumPy views; lane windows, lane leases, the rate ``Limiter``, the episode table and the
 checked gather. Writers, readers, persistence and the sampler workers receive a storage; the
 ``ReplayBuffer`` façade holds one.
 """
@@ -18,8 +18,8 @@ from . import layout as L
 from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
-from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
-from .limiter import LimiterBlock
+from .errors import ClosedError, LaneBusyError, SegmentFormatError, SpecMismatchError
+from .limiter import Limiter
 from .sampling import Windows
 from .segment import Lease, Segment
 from .spec import RowChecker, Spec
@@ -119,6 +119,8 @@ class BufferStorage:
     # -- views ---------------------------------------------------------------------------------------
     def map_views(self) -> None:
         mm, lay = self.segment.buf, self.layout
+        if mm is None:
+            raise ClosedError(f"segment {self.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         lanes = np.frombuffer(
             mm, "<i8", count=lay.lanes * L.LANE_LINES * L.WORDS_PER_LINE, offset=lay.lane_offset
@@ -129,7 +131,8 @@ class BufferStorage:
         self.stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
-        self.limiter = LimiterBlock(self.words, mm, lay)
+        self.limiter = Limiter(self.segment, mm, lay, self.words, self.committed, self.reserved,
+                               lanes[:, L.LANE_RELEASED, 0])
         self.episodes: EpisodeTable | None = None
         if lay.episode_capacity:
             ep_cols = {c.name: _column(mm, c) for c in lay.episode_columns}
@@ -142,6 +145,8 @@ class BufferStorage:
         self.stamps = self.meta = None  # type: ignore[assignment]
         self.columns = {}
         self.episodes = None
+        if getattr(self, "limiter", None) is not None:
+            self.limiter.drop_views()
         self.limiter = None  # type: ignore[assignment]
         if getattr(self, "words", None) is not None:
             self.words.release()

@@ -20,7 +20,7 @@ from . import layout as L
 from . import slots
 from .errors import ClosedError, SpecMismatchError
 from .spec import RowChecker
-from .writer import Writer, wait_for_room
+from .writer import Writer
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
@@ -70,7 +70,8 @@ class VectorWriter:
             self._obs_col = list(storage.spec).index("obs")
         self._rows = 0  # rows written, for rate-limit bookkeeping
         self._room_until = 0
-        self._lim_word = storage.limiter._word(L.LIM_GENERATION)
+        self._limiter = storage.limiter
+        self._lim_word = self._limiter.generation_index
         self._lim_gen = -1
         self._episode_checker = (
             RowChecker(storage.episode_spec, batch_op="end_episode")
@@ -90,9 +91,9 @@ class VectorWriter:
 
     def _make_room(self, n: int) -> None:
         self._heartbeat_v[self.lanes] = time.time_ns()
-        room, self._lim_gen = wait_for_room(self._storage, n // self.num_envs or 1, self.timeout,
-                                            self._check_open, f"lanes {self.lanes.tolist()}",
-                                            self.lanes)
+        room, self._lim_gen = self._limiter.wait_for_insert(
+            n // self.num_envs or 1, self.timeout, self._check_open,
+            f"lanes {self.lanes.tolist()}", self.lanes)
         room *= self.num_envs
         self._room_until = self._rows + room
 

@@ -1,7 +1,4 @@
-"""``Writer``: appends transitions to one lane of a replay buffer under the stamp protocol.
-
-Also the rate-limiter wait shared with ``VectorWriter``.
-"""
+"""``Writer``: appends transitions to one lane of a replay buffer under the stamp protocol."""
 
 from __future__ import annotations
 
@@ -16,83 +13,11 @@ import numpy as np
 from . import layout as L
 from . import slots
 from .checks import ring_segments, timeout_seconds
-from .errors import ClosedError, RateLimitTimeout
+from .errors import ClosedError
 from .segment import Lease
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
-
-ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited
-
-
-def wait_for_room(storage: BufferStorage, n: int, timeout: float, check_open: Callable[[], None],
-                  who: str, lanes: Any) -> tuple[int, int]:
-    """Wait until ``n`` more rows may be inserted into each of ``lanes``; return (rows allowed
-    per lane before the next check, the limiter generation read).
-
-    Two limits apply when a pool sets them: the samples-per-insert ratio, and queue mode (a
-    lane may hold at most ``capacity`` rows not yet delivered). Both are lifted at once if the
-    pool that set them dies.
-
-    Raises:
-        RateLimitTimeout: not within ``timeout`` (nothing was written).
-        ValueError: ``n`` rows can never fit.
-    """
-    lim = storage.limiter
-    deadline = time.monotonic() + timeout
-    pause = 5e-5
-    while True:
-        gen, limit, base, n_samplers = lim.read()
-        queue = lim.queue_active()
-        if limit is None and not queue:
-            return max(4 * n, ROOM_CHECK_EVERY), gen
-        room, why = 1 << 62, ""  # rows the limits allow now
-        if queue:
-            if n > storage.capacity:
-                raise ValueError(
-                    f"{n} rows at once can never fit a queue of {storage.capacity} rows per lane. "
-                    f"Fix: split the batch"
-                )
-            undelivered = storage.committed[lanes] - storage.lane_words[lanes, L.LANE_RELEASED, 0]
-            room = min(room, int(storage.capacity - undelivered.max()))
-            why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
-        if limit is not None:
-            inserts = lim.total_committed() - base
-            samples = lim.samples(n_samplers)
-            allowed = limit.inserts_allowed(inserts, samples)
-            if allowed < n and inserts + n > limit.min_size and n > limit.max_insert_chunk():
-                raise ValueError(
-                    f"{n} rows at once can never pass the rate limiter: with samples_per_insert="
-                    f"{limit.samples_per_insert} and tolerance {limit.tolerance}, at most "
-                    f"{limit.max_insert_chunk()} rows fit at once. Fix: split the batch, or "
-                    f"raise the tolerance"
-                )
-            # Share the headroom with the other lanes' writers: the ratio then holds to within
-            # about one insert per writer without any cross-process lock.
-            room = min(room, max(allowed // storage.lanes, min(allowed, n)))
-            if allowed < n:
-                why = (f"inserts {inserts}, samples {samples}, samples_per_insert "
-                       f"{limit.samples_per_insert}: the samplers are not keeping up")
-        if room >= n:
-            return min(room, max(n, ROOM_CHECK_EVERY)), gen
-        if not storage.segment.probe(L.LOCK_LIMITER):
-            # The pool that set the limit died without lifting it: nobody samples any more, so
-            # the limits are void, as if lifted. Grant a whole check interval (not just ``n``,
-            # which would send every later row through this probe); a pool that limits the
-            # buffer again bumps the generation, which writers notice on their next row.
-            return max(4 * n, ROOM_CHECK_EVERY), gen
-        check_open()
-        now = time.monotonic()
-        if now >= deadline:
-            fix = ("a larger timeout, or a learner that takes batches faster" if queue else
-                   "a larger timeout, more sampling, or a larger samples_per_insert tolerance")
-            raise RateLimitTimeout(
-                f"{who}: waited {timeout}s for room for {n} row(s): {why}. Nothing was written. "
-                f"Fix: {fix}"
-            )
-        time.sleep(min(pause, deadline - now))
-        pause = min(pause * 2, 2e-3)
-
 
 class Writer:
     """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
@@ -171,7 +96,7 @@ class Writer:
         self._room_until = self._next  # check the rate limiter on the first insert
         # A pool that starts (or changes) a rate limit bumps its generation: room granted
         # before that is void, so a writer that was already running obeys the limit at once.
-        self._w_lim_gen = self._limiter._word(L.LIM_GENERATION)
+        self._w_lim_gen = self._limiter.generation_index
         self._lim_gen = -1
         Writer._live.add(self)
 
@@ -349,8 +274,8 @@ class Writer:
     def _make_room(self, n: int, timeout: float) -> None:
         """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
         self._q[self._w_heartbeat] = time.time_ns()
-        room, self._lim_gen = wait_for_room(self._storage, n, timeout, self._check_open,
-                                            f"lane {self.lane}", [self.lane])
+        room, self._lim_gen = self._limiter.wait_for_insert(n, timeout, self._check_open,
+                                                            f"lane {self.lane}", [self.lane])
         self._room_until = self._next + room
 
     # -- teardown ---------------------------------------------------------------------------------------------

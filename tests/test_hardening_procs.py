@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-import shmbuf.writer as writer_mod
+import shmbuf.limiter as limiter_mod
 from shmbuf import layout as L
 from shmbuf import vector as vector_mod
 from tests import pool_procs as procs
@@ -143,7 +143,7 @@ def test_vector_writer_inherited_by_a_forked_child_is_closed():
 def test_writes_after_a_killed_limiting_pool_take_the_fast_path(start_method, monkeypatch):
     """A pool in another process limits our writer until it runs out of room; the pool's
     process is SIGKILLed. Of the next 10,000 ``add`` calls only about one in
-    ``ROOM_CHECK_EVERY`` may consult the limiter (``wait_for_room``), not every one."""
+    ``ROOM_CHECK_EVERY`` may consult the limiter (``Limiter.wait_for_insert``), not every one."""
     with procs.new_buffer(capacity=512, lanes=1, rows=32) as buf, \
             procs.limiting_pool_process(buf, start_method) as (owner, info):
         row = procs.make_row(0, 0)
@@ -156,17 +156,17 @@ def test_writes_after_a_killed_limiting_pool_take_the_fast_path(start_method, mo
             assert not buf.storage.segment.probe(L.LOCK_LIMITER), "the lock outlived its pool"
             w.add(**row)  # the first add after the death finds the owner gone
             calls = []
-            real = writer_mod.wait_for_room
+            real = limiter_mod.Limiter.wait_for_insert
 
             def counted(*args, **kwargs):
                 calls.append(1)
                 return real(*args, **kwargs)
 
-            monkeypatch.setattr(writer_mod, "wait_for_room", counted)
+            monkeypatch.setattr(limiter_mod.Limiter, "wait_for_insert", counted)
             n = 10_000
             for _ in range(n):
                 w.add(**row)
-            assert len(calls) <= math.ceil(n / writer_mod.ROOM_CHECK_EVERY) + 1, len(calls)
+            assert len(calls) <= math.ceil(n / limiter_mod.ROOM_CHECK_EVERY) + 1, len(calls)
         assert procs.wait_dead(info["workers"], 5) == []
 
 

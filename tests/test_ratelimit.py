@@ -174,6 +174,46 @@ def test_rate_limit_rejects_bad_values(kwargs, match):
 
 
 # --------------------------------------------------------------------------------------------
+# The Limiter over a buffer's segment, in one process
+# --------------------------------------------------------------------------------------------
+def test_limiter_contract_in_one_process():
+    """Inactive, only ``min_size`` holds sampling back; ``take`` is exclusive; ``configure``
+    activates the ratio (with the credit of rows already present), ``record_samples`` counts,
+    ``can_sample``, ``blocked_reason`` and ``stats`` agree; a caller that is not the limiting
+    pool (``limited=False``) sees min_size only; ``deactivate`` lifts it, bumping the
+    generation writers compare against."""
+    with procs.new_buffer(capacity=64, lanes=2, rows=8) as buf:  # 16 rows
+        lim = buf.storage.limiter
+        gen0 = lim.stats()["generation"]
+        assert lim.stats() == {"generation": gen0, "active": False, "queue": False}
+        assert lim.can_sample(8, 16) and not lim.can_sample(8, 17)
+        assert lim.blocked_reason(8, 16) is None
+        assert "holds 16 of min_size=17" in lim.blocked_reason(8, 17)
+        lease = lim.take()
+        try:
+            with pytest.raises(shmbuf.ShmbufError, match="already rate-limits"):
+                lim.take()
+            assert lim.configure(RateLimit(16, 1.0, 8), n_samplers=2, credit=16) == 16
+            assert buf.storage.words[lim.generation_index] == gen0 + 1
+            assert lim.can_sample(8, 16)  # 16 inserts - 0 samples - 8 >= min_diff 8
+            lim.record_samples(1, 8)
+            assert not lim.can_sample(8, 16) and lim.can_sample(8, 16, limited=False)
+            reason = lim.blocked_reason(8, 16)
+            assert "rate limiter holds sampling back (inserts 16, samples 8" in reason, reason
+            assert lim.blocked_reason(8, 16, limited=False) is None
+            stats = lim.stats()
+            assert stats["active"] and (stats["inserts"], stats["samples"]) == (16, 8)
+            assert (stats["min_size"], stats["samples_per_insert"], stats["tolerance"]) == (
+                16, 1.0, 8.0)
+            lim.deactivate()
+            assert not lim.stats()["active"] and lim.can_sample(8, 16)
+            assert buf.storage.words[lim.generation_index] == gen0 + 2
+        finally:
+            lease.close()
+        lim.take().close()  # free again
+
+
+# --------------------------------------------------------------------------------------------
 # Helpers for the process tests
 # --------------------------------------------------------------------------------------------
 def _add_rows(w: shmbuf.Writer, n: int, **kw) -> None:

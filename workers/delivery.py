@@ -24,7 +24,6 @@ from shmbuf.priority import importance_weights
 from .batch import Batch
 from .config import PoolConfig
 from .device import Backend, DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
-from .sampler_proc import can_sample
 from .selection import Selection
 from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
 from .supervise import Child
@@ -154,20 +153,11 @@ class Delivery:
 
     def waiting_for(self) -> str:
         """What a ``next()`` that timed out was waiting for, and what to do about it."""
-        buf, cfg = self.buf, self.cfg
-        size = len(buf)
-        if size < cfg.min_size:
-            return (f"the buffer holds {size} of min_size={cfg.min_size} transitions; are the "
-                    f"actors writing to {buf.name!r}?")
-        if cfg.limit is not None:
-            _, limit, base, n = buf.storage.limiter.read()
-            if limit is not None:
-                inserts = buf.storage.limiter.total_committed() - base
-                samples = buf.storage.limiter.samples(n)
-                if not limit.can_sample(inserts, samples, self.batch_size):
-                    return (f"the rate limiter holds sampling back (inserts {inserts}, samples "
-                            f"{samples}, samples_per_insert {limit.samples_per_insert}): actors "
-                            f"are not inserting fast enough")
+        cfg = self.cfg
+        blocked = self.buf.storage.limiter.blocked_reason(self.batch_size, cfg.min_size,
+                                                          cfg.limit is not None)
+        if blocked is not None:
+            return blocked
         if len(self.fences) == cfg.n_staging:
             return (f"all {cfg.n_staging} staging slots are still read by device copies or "
                     f"by arrays of earlier batches (output={cfg.output!r}): drop arrays of old "
@@ -189,9 +179,8 @@ class Delivery:
         learner-selected rows (``max_times_sampled``, the queue) as they hold back workers'
         own draws. Batches selected but not yet gathered count as sampled already: their
         workers add them to the limiter's sample count only once they are gathered."""
-        limiter = self.buf.storage.limiter if self.cfg.limit is not None else None
-        return can_sample(self.buf, limiter, self.cfg.min_size,
-                          self.batch_size * (1 + self.selected_pending()))
+        return self.buf.storage.limiter.can_sample(self.batch_size * (1 + self.selected_pending()),
+                                                   self.cfg.min_size, self.cfg.limit is not None)
 
     def take_slot(self, slot: int, step: int) -> dict[str, Any]:
         """The learner takes a ready slot: mark it HELD, fill in its importance weights."""

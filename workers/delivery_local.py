@@ -12,7 +12,6 @@ from shmbuf.errors import Timeout
 
 from .batch import Batch
 from .delivery import Delivery, PoolParts
-from .sampler_proc import can_sample
 from .staging import WEIGHTS, slot_arrays, write_rows
 
 
@@ -46,7 +45,7 @@ class InProcessDelivery(Delivery):
         buf, cfg = self.buf, self.cfg
         deadline = time.monotonic() + timeout
         pause = 5e-5
-        limiter = buf.storage.limiter if cfg.limit is not None else None
+        limiter = buf.storage.limiter
         target = self.local if cfg.transform is None else self.scratch
         self._wait_local_copies(deadline, timeout)
         out = {n: target[n] for n, _, _ in self.compiled.outputs}
@@ -61,7 +60,7 @@ class InProcessDelivery(Delivery):
                         break
                     self.selection.stale(rows)  # overwritten meanwhile: select again
                     continue
-            elif can_sample(buf, limiter, cfg.min_size, self.batch_size):
+            elif limiter.can_sample(self.batch_size, cfg.min_size, cfg.limit is not None):
                 break
             now = time.monotonic()
             if now >= deadline:
@@ -85,10 +84,8 @@ class InProcessDelivery(Delivery):
             for name in self.out_fields:
                 np.copyto(local[name], np.asarray(result[name]), casting="same_kind")
         write_rows(local, lanes, indices, probs, pmin)
-        if limiter is not None:
-            q = buf.storage.words
-            c = limiter.counter_index(0)
-            q[c] = q[c] + self.batch_size
+        if cfg.limit is not None:
+            limiter.record_samples(0, self.batch_size)
         if self.stage is not None:
             self.submit_slot(self.stage, 0, step)
             return self.hold_device(self.stage)

@@ -19,7 +19,7 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
-from shmbuf.layout import LOCK_LIMITER
+from shmbuf.segment import Lease
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
 
@@ -343,7 +343,7 @@ class LimiterHold:
 
     def __init__(self, buf: ReplayBuffer) -> None:
         self.buf = buf
-        self.lease: Any = None
+        self.lease: Lease | None = None
         self.configured = False
         self.inserts_origin = 0  # stats count inserts from here
 
@@ -354,26 +354,20 @@ class LimiterHold:
             self.inserts_origin = int(self.buf.storage.committed.sum())
 
     def take(self, cfg: PoolConfig) -> None:
-        """Take the lock; with ``samples_per_insert``, configure the limiter for this pool."""
+        """Take the lock (``ShmbufError`` if another pool holds it); with
+        ``samples_per_insert``, configure the limiter for this pool."""
         buf = self.buf
-        lease = buf.storage.segment.lease()
-        if not lease.try_lock(LOCK_LIMITER):
-            lease.close()
-            raise ShmbufError(
-                f"another SamplerPool already rate-limits buffer {buf.name!r}; only one pool "
-                f"may set samples_per_insert or sampler='queue' on a buffer at a time"
-            )
-        self.lease = lease
+        self.lease = buf.storage.limiter.take()
         self.inserts_origin = int(buf.storage.committed.sum())
         if cfg.limit is None:  # the queue: no ratio; stats count inserts from now
             return
         credit = min(len(buf), cfg.limit.min_size)
-        buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers), credit=credit)
-        self.configured = True
         # stats() counts inserts from the very total the limiter counts from: rows written
         # between here and the end of the constructor count for both, or the reported ratio
         # drifts from the enforced one.
-        self.inserts_origin = buf.storage.limiter.read()[2] + credit
+        self.inserts_origin = buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers),
+                                                            credit=credit)
+        self.configured = True
 
     def inserts(self) -> int:
         return int(self.buf.storage.committed.sum()) - self.inserts_origin
@@ -382,8 +376,8 @@ class LimiterHold:
         """Rows the limiter counted as sampled (None when it counts none)."""
         if not self.configured:
             return None
-        _, limit, _, n_samplers = self.buf.storage.limiter.read()
-        return self.buf.storage.limiter.samples(n_samplers) if limit is not None else None
+        limiter = self.buf.storage.limiter.stats()
+        return limiter["samples"] if limiter["active"] else None
 
     def release(self) -> None:
         """Lift the limit and let the lock go. Idempotent."""

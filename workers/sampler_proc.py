@@ -66,16 +66,6 @@ class SamplerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def can_sample(buf: ReplayBuffer, limiter: Any, min_size: int, batch_size: int) -> bool:
-    """May a batch be drawn now? The rate limiter's verdict if one is active, else min_size."""
-    if limiter is not None:
-        _, limit, base, n = limiter.read()
-        if limit is not None:
-            inserts = limiter.total_committed() - base
-            return limit.can_sample(inserts, limiter.samples(n), batch_size)
-    return buf.windows().total >= min_size
-
-
 class LearnerGone(Exception):
     """The learner process is gone: the worker exits quietly."""
 
@@ -114,8 +104,7 @@ class _Worker:
         self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
         self.seq = 0
         self.next_liveness = time.monotonic() + LIVENESS_EVERY
-        self.limiter = self.buf.storage.limiter if cfg.rate_limited else None
-        self.counter = self.limiter.counter_index(worker_id) if self.limiter else -1
+        self.limiter = self.buf.storage.limiter
         self.table = PriorityTable.attach(cfg.priority_table) if cfg.priority_table else None
         self.transform = cfg.transform
         self.compiled = self.buf.compile(cfg.plan, cfg.fields)
@@ -163,7 +152,7 @@ class _Worker:
     def _ready_to_sample(self) -> bool:
         if self.table is not None and not self.table.sums[:, 1].sum() > 0:
             return False  # the learner has not entered any row's priority yet
-        return can_sample(self.buf, self.limiter, self.cfg.min_size, self.batch_size)
+        return self.limiter.can_sample(self.batch_size, self.cfg.min_size, self.cfg.rate_limited)
 
     def _wait_can_sample(self) -> None:
         pause = 5e-5
@@ -195,9 +184,8 @@ class _Worker:
             views[LANES][...] = draw.lanes
             if draw.probs is not None:
                 views[PROBS][...], views[PMIN][0] = draw.probs, draw.pmin
-        if self.limiter is not None:
-            q = self.buf.storage.words
-            q[self.counter] = q[self.counter] + self.batch_size
+        if self.cfg.rate_limited:
+            self.limiter.record_samples(self.wid, self.batch_size)
         ring.set(slot, W_SEQ, self.seq)
         self.seq += 1
         ring.set(slot, W_STATE, READY)

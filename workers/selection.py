@@ -13,7 +13,7 @@ before they draw.
   selected more than ``k`` times, duplicates within a batch included.
 - ``QueueSelection``: every row delivered exactly once, oldest first per lane (lanes taken in
   turn). The lane word ``released`` tells writers which rows are safe to overwrite: they wait
-  while a lane holds ``capacity`` rows not yet gathered.
+  while a lane holds ``capacity`` rows not yet gathered (``Limiter.wait_for_insert``).
 """
 
 from __future__ import annotations
