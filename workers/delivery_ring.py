@@ -81,7 +81,7 @@ class RingDelivery(Delivery):
             buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
             out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
             rate_limited=cfg.limit is not None, plan=self.compiled.plan,
-            priority_table=self.selection.worker_table,
+            priority_table=table.name if (table := self.selection.draws_from) else None,
         )
         self.cfg_bytes = cloudpickle.dumps(worker_cfg)
         self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])

@@ -39,8 +39,8 @@ class Selection:
     """How the rows of each batch are chosen; one instance per pool, in the learner.
 
     ``learner_selects``: the learner chooses rows (``select``) and workers gather them; else the
-    workers draw, from ``worker_table`` when it is set. ``table``: the priorities behind the
-    draws, if any; batches then carry importance weights.
+    workers draw, in proportion to ``draws_from`` when it is set. ``table``: the priorities
+    behind the draws, if any; batches then carry importance weights.
 
     Concurrency: learner thread only. The learner is the only writer of ``table``; workers
     attach it by name and only read it.
@@ -52,8 +52,8 @@ class Selection:
     table: PriorityTable | None = None
 
     @property
-    def worker_table(self) -> str | None:
-        """The name of the priority table workers draw from (None: uniform draws)."""
+    def draws_from(self) -> PriorityTable | None:
+        """The priority table workers draw from (None: uniform draws, or learner-chosen rows)."""
         return None
 
     def enter_new_rows(self) -> None:
@@ -97,8 +97,8 @@ class PrioritizedSelection(Selection):
         self.buf, self.table = buf, table
 
     @property
-    def worker_table(self) -> str | None:
-        return self.table.name
+    def draws_from(self) -> PriorityTable | None:
+        return self.table
 
     def enter_new_rows(self) -> None:
         self.table.sync(self.buf)  # new rows enter at the maximum priority
