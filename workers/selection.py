@@ -33,6 +33,7 @@ from .config import PoolConfig
 # Rows a learner-side selection chose: (lanes, indices, probabilities or None, smallest
 # probability overall).
 Rows = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
+SELECT_ROUNDS = 64  # draws CountedSelection makes for one batch before it gives up for now
 
 
 class Selection:
@@ -138,7 +139,6 @@ class CountedSelection(Selection):
         self.prioritized = not uniform
         self.initial = None if self.prioritized else 1.0  # priority of a new row
         self.counts = np.zeros(buf.lanes * buf.capacity, np.int32)  # this process's own memory
-        self.rounds = 64
 
     def sync(self) -> None:
         """Enter new rows into the table and reset their slots' counts."""
@@ -161,7 +161,7 @@ class CountedSelection(Selection):
         pmin = 1.0
         need = batch_size
         try:
-            for _ in range(self.rounds):
+            for _ in range(SELECT_ROUNDS):
                 draw = table.draw(self.buf.windows(), need, rng)
                 assert draw.probs is not None  # a table's draws carry their probabilities
                 slots = draw.lanes * capacity + draw.indices % capacity
@@ -226,7 +226,6 @@ class QueueSelection(Selection):
         self.assigned = buf.windows().lo.copy()  # next row to hand out, per lane
         self.inflight: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> rows
         self.turn = 0
-        self.lost = 0
         self._released = buf.storage.lane_words[:, LANE_RELEASED, 0]
         self._released[...] = self.assigned
         buf.storage.limiter.set_queue(True)
@@ -263,8 +262,7 @@ class QueueSelection(Selection):
         self._released[...] = low
 
     def stale(self, rows: Rows) -> None:
-        # Only possible for rows written over just as queue mode began.
-        self.lost += int(rows[0].size)
+        """Only possible for rows written over just as queue mode began: they are lost."""
 
     def close(self) -> None:
         if not self.buf.closed and self._released.size:

@@ -26,7 +26,6 @@ from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header
 from shmbuf.segment import Segment
 
 FREE, ASSIGNED, FILLING, READY, HELD = range(5)
-STATE_NAMES = {FREE: "free", ASSIGNED: "assigned", FILLING: "filling", READY: "ready", HELD: "held"}
 
 W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
 CONTROL_LINES = 4
@@ -115,7 +114,6 @@ class StagingRing:
 
     def __init__(self, segment: Segment) -> None:
         doc = segment.header.doc
-        self.doc = doc
         arrays = [(a["name"], tuple(a["shape"]), a["dtype"]) for a in doc["arrays"]]
         self.layout = staging_layout(arrays, int(doc["n_slots"]), len(encode_layout(doc)))
         self.seg = segment
@@ -170,31 +168,28 @@ class StagingRing:
     def n_slots(self) -> int:
         return self.layout.n_slots
 
-    def slot(self, s: int) -> dict[str, np.ndarray]:
-        """Every array of slot ``s`` (fields and the internal ``_indices``/``_lanes``/...)."""
-        return self._slots[s]
+    def slot(self, slot: int) -> dict[str, np.ndarray]:
+        """Every array of ``slot`` (fields and the internal ``_indices``/``_lanes``/...)."""
+        return self._slots[slot]
 
-    def get(self, s: int, word: int) -> int:
-        return self.words[self.layout.word(s, word)]
+    def get(self, slot: int, word: int) -> int:
+        return self.words[self.layout.word(slot, word)]
 
-    def set(self, s: int, word: int, value: int) -> None:
-        self.words[self.layout.word(s, word)] = value
+    def set(self, slot: int, word: int, value: int) -> None:
+        self.words[self.layout.word(slot, word)] = value
 
-    def assign(self, s: int, owner: int, generation: int) -> None:
-        """The learner hands slot ``s`` to worker ``owner`` (learner-side, while it holds ``s``)."""
-        self.set(s, W_GENERATION, generation)
-        self.set(s, W_OWNER, owner)
-        self.set(s, W_STATE, ASSIGNED)
+    def assign(self, slot: int, owner: int, generation: int) -> None:
+        """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it)."""
+        self.set(slot, W_GENERATION, generation)
+        self.set(slot, W_OWNER, owner)
+        self.set(slot, W_STATE, ASSIGNED)
 
-    def free(self, s: int, generation: int | None = None) -> None:
-        """Slot ``s`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
+    def free(self, slot: int, generation: int | None = None) -> None:
+        """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
         if generation is not None:
-            self.set(s, W_GENERATION, generation)
-        self.set(s, W_STATE, FREE)
-        self.set(s, W_OWNER, -1)
-
-    def states(self) -> list[int]:
-        return [self.get(s, W_STATE) for s in range(self.n_slots)]
+            self.set(slot, W_GENERATION, generation)
+        self.set(slot, W_STATE, FREE)
+        self.set(slot, W_OWNER, -1)
 
     def slot_span(self) -> tuple[int, int]:
         """(byte offset, length) of all slot data, e.g. to pin it for async GPU copies."""
