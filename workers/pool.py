@@ -351,14 +351,14 @@ class LimiterHold:
         """Without the lock, the pool counts inserts from its start (with it, from the
         limiter's own origin)."""
         if self.lease is None:
-            self.inserts_origin = int(self.buf.storage.committed.sum())
+            self.inserts_origin = self._total_committed()
 
     def take(self, cfg: PoolConfig) -> None:
         """Take the lock (``ShmbufError`` if another pool holds it); with
         ``samples_per_insert``, configure the limiter for this pool."""
         buf = self.buf
         self.lease = buf.storage.limiter.take()
-        self.inserts_origin = int(buf.storage.committed.sum())
+        self.inserts_origin = self._total_committed()
         if cfg.limit is None:  # the queue: no ratio; stats count inserts from now
             return
         credit = min(len(buf), cfg.limit.min_size)
@@ -369,8 +369,11 @@ class LimiterHold:
                                                             credit=credit)
         self.configured = True
 
+    def _total_committed(self) -> int:
+        return int(np.sum(self.buf.committed()))  # ClosedError once the buffer is closed
+
     def inserts(self) -> int:
-        return int(self.buf.storage.committed.sum()) - self.inserts_origin
+        return self._total_committed() - self.inserts_origin
 
     def samples(self) -> int | None:
         """Rows the limiter counted as sampled (None when it counts none)."""
