@@ -212,7 +212,9 @@ class PriorityTable:
         )
 
     def close(self) -> None:
-        self.sums = self.mins = self.gen = None  # type: ignore[assignment]
+        # Drop the views of the mapping so that it can be closed (idempotent).
+        self.sums = self.mins = np.empty((self.lanes, 0))
+        self.gen = np.empty(0, np.int64)
         self.segment.close()
 
 

@@ -140,7 +140,7 @@ class _DirectorySink:
                  compress: bool) -> None:
         self.directory = directory
         self._frame_filter = frame_filter
-        self._save = np.savez_compressed if compress else np.savez
+        self._save: Callable[..., None] = np.savez_compressed if compress else np.savez
         self._drop = drop
         self._obs_paths = [] if "observations" in drop else _leaf_paths(observation_space)
         self._act_paths = [] if "actions" in drop else _leaf_paths(action_space)
