@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import threading
 import time
 
 import multiprocess
@@ -29,24 +28,10 @@ import pytest
 import shmbuf
 from shmbuf.segment import unlink
 from tests import pool_procs as procs
+from tests._helpers.threads import blocked_in_thread
 from workers import ActorGroup, SamplerPool
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _in_thread(fn):
-    """Run ``fn`` in a daemon thread; the returned list gets its result or exception."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def _add_one(w) -> int:
@@ -204,9 +189,7 @@ def test_writer_blocks_while_the_queue_is_full_then_unblocks(n_workers, start_me
         # inside next(). So with workers the rows of the batch a worker gathered after the
         # learner's last next() are released by its following next(): one batch later.
         w.timeout = 20
-        t, out = _in_thread(lambda: _add_one(w))
-        time.sleep(0.3)
-        assert not out, "the writer did not wait for room"
+        t, out = blocked_in_thread(lambda: _add_one(w), "the writer did not wait for room")
         taken = 0
         while not out and taken < 4:
             ledger.take(pool.next(timeout=30), B)
@@ -229,9 +212,7 @@ def test_closing_the_pool_releases_a_writer_blocked_by_a_full_queue(start_method
         try:
             _fill_until_full(w)
             w.timeout = 20
-            t, out = _in_thread(lambda: _add_one(w))
-            time.sleep(0.3)
-            assert not out, "the writer was not blocked"
+            t, out = blocked_in_thread(lambda: _add_one(w), "the writer was not blocked")
         finally:
             t0 = time.monotonic()
             pool.close()
@@ -280,9 +261,7 @@ def test_sigkilled_learner_releases_a_writer_blocked_by_its_queue(start_method):
                         break
                     assert time.monotonic() < deadline and wrote < 10_000
                 w.timeout = 30
-                t, out = _in_thread(lambda: _add_one(w))
-                time.sleep(0.3)
-                assert not out, "the writer was not blocked"
+                t, out = blocked_in_thread(lambda: _add_one(w), "the writer was not blocked")
                 os.kill(info["pid"], signal.SIGKILL)
                 t0 = time.monotonic()
                 t.join(10)
