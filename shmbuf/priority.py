@@ -111,7 +111,7 @@ class PriorityTable:
         """The stored value ``(p + eps) ** alpha`` of priorities."""
         return (priorities + self.eps) ** self.alpha
 
-    # -- learner side: the only writer -----------------------------------------------------------------
+    # -- learner side: the only writer -------------------------------------------------------------
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
         """Enter rows committed since the last sync at the maximum priority (``initial`` if
         given, e.g. 1.0 for uniform tables); FINAL rows (not transitions) at zero."""
@@ -178,7 +178,7 @@ class PriorityTable:
             self.max_priority = max(self.max_priority, float(values[current].max()))
         return int(current.sum())
 
-    # -- anyone: read-only draws ----------------------------------------------------------------------------
+    # -- anyone: read-only draws -------------------------------------------------------------------
     def draw(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
         """``batch`` rows drawn in proportion to their priorities, each a row the buffer holds
         (by its generation); with their probabilities and the smallest probability."""

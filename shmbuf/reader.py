@@ -234,7 +234,7 @@ class PlanReader:
                     "be drawn: call writer.end_episode() at episode ends")
         return "the rows needed keep being overwritten or are not written yet"
 
-    # -- gathering -------------------------------------------------------------------------------------
+    # -- gathering ---------------------------------------------------------------------------------
     def _rows_at(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None = None
                  ) -> np.ndarray:
         """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offsets)], computed
@@ -336,7 +336,7 @@ class PlanReader:
         after = reload_stamps(self.storage.stamps, sel.slots)
         return np.logical_not(overwritten_since(sel.before, after, sel.held).any(axis=1))
 
-    # -- entry point ---------------------------------------------------------------------------------------
+    # -- entry point -------------------------------------------------------------------------------
     def read_into(self, out: dict[str, np.ndarray], rng: np.random.Generator,
                   max_retries: int) -> Draw:
         """Fill ``out`` (every output of the plan, ``batch_size`` rows); return the rows

@@ -249,7 +249,8 @@ class RecordEpisodes(_WrapperBase):
         if self._recording:
             self.steps_recorded += 1
             self._return += float(reward)
-            self._sink.step(self._steps_taken, action, obs, reward, bool(terminated), bool(truncated))
+            self._sink.step(self._steps_taken, action, obs, reward, bool(terminated),
+                            bool(truncated))
         if terminated or truncated:
             self._finish(bool(terminated), bool(truncated), complete=True)
         return obs, reward, terminated, truncated, info

@@ -66,7 +66,8 @@ class Plan:
             raise ValueError(f"frame_lookahead must be an int >= 0, got {self.frame_lookahead!r}")
         if not 0.0 <= float(self.gamma) <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
-        if self.sequence_length > 1 and (self.frame_stack > 1 or self.frame_lookahead or self.n_step > 1):
+        stacks_or_accumulates = self.frame_stack > 1 or self.frame_lookahead or self.n_step > 1
+        if self.sequence_length > 1 and stacks_or_accumulates:
             raise ValueError(
                 "sequence_length cannot be combined with frame_stack or n_step: sequences already "
                 "hold consecutive steps. Stack or accumulate them in the learner"
