@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+
 # Process helpers live in tests/_helpers/processes.py; the tests call them as ``procs.X``.
 from tests._helpers.processes import descendants as descendants
 from tests._helpers.processes import kill_quietly as kill_quietly

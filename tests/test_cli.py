@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import cli
-from shmbuf import layout
+from shmbuf import cli, layout
 from shmbuf.segment import SHM_DIR, Segment, fmt_bytes, unlink
 
 SPEC = shmbuf.Spec({"obs/camera": ((3, 4), "uint8"), "reward": ((), "float32")})

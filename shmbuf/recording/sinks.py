@@ -17,8 +17,8 @@ import numpy as np
 from ..buffer import ReplayBuffer
 from ..errors import SpecMismatchError
 from ..spec import Spec
-
 from .format import FILE_PATTERN, FORMAT, VERSION, _leaf, _leaf_paths, _name, _tree
+
 
 # --------------------------------------------------------------------------------------------
 # Sinks: where a recorded episode goes. The wrapper calls start / step / finish for recorded
