@@ -178,6 +178,14 @@ class PriorityTable:
             self.max_priority = max(self.max_priority, float(values[current].max()))
         return int(current.sum())
 
+    def retire(self, lanes: np.ndarray, indices: np.ndarray) -> None:
+        """Priority zero: the rows are never drawn again (unless overwritten and re-entered).
+        Rows overwritten since ``(lanes, indices)`` were sampled are left alone."""
+        slots = lanes * self.capacity + indices % self.capacity
+        current = self.gen[slots] == indices
+        sumtree.update(self.sums, self.mins, lanes[current], indices[current] % self.capacity,
+                       np.zeros(int(current.sum())))
+
     # -- anyone: read-only draws -------------------------------------------------------------------
     def draw(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
         """``batch`` rows drawn in proportion to their priorities, each a row the buffer holds
