@@ -1,12 +1,15 @@
 """``PriorityTable``: proportional priorities for a buffer's rows, in shared memory.
 
-Per lane, a float64 sum tree and min tree over the lane's ``capacity`` slots, and per slot the
-*generation* its priority belongs to (the logical index of the row it was set for, -1 for none).
-Layout after the common header page: ``sums [lanes, 2P]``, ``mins [lanes, 2P]`` (f8),
-``gen [lanes * capacity]`` (i8), each 64-byte aligned (P = capacity rounded up to a power of 2).
+Per lane, a float64 sum tree and min tree over the lane's ``capacity`` slots (``sumtree``: wide
+fan-out, leaf j at column j, the root last), and per slot the *generation* its priority belongs
+to (the logical index of the row it was set for, -1 for none). Layout after the common header
+page: ``sums [lanes, W]``, ``mins [lanes, W]`` (f8), ``gen [lanes * capacity]`` (i8), each
+64-byte aligned (W = ``sumtree.tree_width(capacity)``).
 
 Concurrency: the process that creates the table (the learner) is the only writer of every word:
-it enters new rows at the running maximum priority (``sync``), applies ``update`` and
+it enters new rows at the running maximum priority (``sync``: per lane one or two contiguous
+runs, set with slices, so its cost is bounded by the capacity whatever the write rate), applies
+``update`` and
 ``retire``. Sampler workers ``attach`` and only read: they descend the trees without locks and
 keep a drawn leaf only if its generation is a row the buffer holds now; the row's stamp is then
 checked as for any read. So a leaf changed under a reader, or a row overwritten after its
@@ -35,7 +38,7 @@ DRAW_ROUNDS = 64
 class _TableLayout(NamedTuple):
     """Byte offsets of a priority segment's arrays, and its total size."""
 
-    leaves: int  # P: leaves per lane tree
+    width: int  # columns of one lane's tree
     sums: int
     mins: int
     generations: int
@@ -43,12 +46,12 @@ class _TableLayout(NamedTuple):
 
 
 def _table_layout(lanes: int, capacity: int, json_len: int) -> _TableLayout:
-    leaves = sumtree.tree_size(capacity)
+    width = sumtree.tree_width(capacity)
     sums = layout.header_size(json_len)
-    mins = layout.align(sums + lanes * 2 * leaves * 8)
-    generations = layout.align(mins + lanes * 2 * leaves * 8)
+    mins = layout.align(sums + lanes * width * 8)
+    generations = layout.align(mins + lanes * width * 8)
     total = layout.align(generations + lanes * capacity * 8, layout.PAGE)
-    return _TableLayout(leaves, sums, mins, generations, total)
+    return _TableLayout(width, sums, mins, generations, total)
 
 
 class PriorityTable:
@@ -70,7 +73,7 @@ class PriorityTable:
         memory = segment.buf
         if memory is None:
             raise ClosedError(f"priority table {segment.name!r} is closed")
-        nodes = 2 * offsets.leaves
+        nodes = offsets.width
         self.sums = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.sums
                                   ).reshape(self.lanes, nodes)
         self.mins = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.mins
@@ -107,6 +110,14 @@ class PriorityTable:
     def name(self) -> str:
         return self.segment.name
 
+    def total(self) -> float:
+        """The sum of every stored priority (0: nothing can be drawn)."""
+        return float(sumtree.roots(self.sums).sum())
+
+    def leaf_values(self, lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        """The stored values of the slots of rows ``(lanes, indices)`` (whoever holds them)."""
+        return self.sums[lanes, indices % self.capacity]
+
     def _value(self, priorities: np.ndarray) -> np.ndarray:
         """The stored value ``(p + eps) ** alpha`` of priorities."""
         return (priorities + self.eps) ** self.alpha
@@ -120,21 +131,25 @@ class PriorityTable:
         new = committed > self.synced
         if not new.any():
             return 0
-        capacity = self.capacity
-        lane_parts, index_parts = [], []
-        for lane in np.flatnonzero(new):  # per lane, not per row
-            first = max(int(self.synced[lane]), int(committed[lane]) - capacity)
-            index_parts.append(np.arange(first, committed[lane], dtype=np.int64))
-            lane_parts.append(np.full(index_parts[-1].size, lane, np.int64))
+        capacity, meta = self.capacity, buf.storage.meta
+        value = float(self._value(np.asarray(self.max_priority))) if initial is None else initial
+        entered = 0
+        for lane in np.flatnonzero(new):  # per lane and contiguous run of slots, not per row
+            start, stop = max(int(self.synced[lane]), int(committed[lane]) - capacity), int(
+                committed[lane])
+            entered += stop - start
+            while start < stop:  # at most two runs: the ring wraps once
+                slot = start % capacity
+                end = min(stop, start + capacity - slot)
+                run = slice(lane * capacity + slot, lane * capacity + slot + end - start)
+                # generation first: a reader that sees it finds the new row
+                self.gen[run] = np.arange(start, end, dtype=np.int64)
+                final = (meta[run] & layout.FLAG_FINAL) != 0
+                sumtree.fill(self.sums, self.mins, int(lane), slot,
+                             np.where(final, 0.0, value))
+                start = end
         self.synced[new] = committed[new]
-        lanes, indices = np.concatenate(lane_parts), np.concatenate(index_parts)
-        slots = lanes * capacity + indices % capacity
-        final = (buf.storage.meta[slots] & layout.FLAG_FINAL) != 0
-        value = self._value(np.asarray(self.max_priority)) if initial is None else initial
-        self.gen[slots] = indices  # generation first: a reader that sees it finds the new row
-        sumtree.update(self.sums, self.mins, lanes, indices % capacity,
-                       np.where(final, 0.0, value))
-        return int(indices.size)
+        return entered
 
     def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
         """Set new priorities for rows sampled at ``(lanes, indices)``; rows overwritten since
@@ -204,7 +219,7 @@ class PriorityTable:
                 ) from None
             leaves = np.minimum(leaves, capacity - 1)
             slots = drawn_lanes * capacity + leaves
-            value = self.sums[drawn_lanes, self.sums.shape[1] // 2 + leaves]
+            value = self.sums[drawn_lanes, leaves]
             generation = self.gen[slots]
             ok = ((value > 0) & (generation >= windows.lo[drawn_lanes])
                   & (generation < windows.hi[drawn_lanes]))
@@ -212,7 +227,7 @@ class PriorityTable:
             probs[todo[ok]] = value[ok] / total
             todo = todo[~ok]
             if not todo.size:
-                pmin = float(self.mins[:, 1].min()) / total
+                pmin = float(sumtree.roots(self.mins).min()) / total
                 return Draw(lanes, indices, probs, min(pmin, float(probs.min())))
         raise SamplingError(
             f"{todo.size} of {batch} prioritized draws kept landing on rows no longer held: "

@@ -1,7 +1,7 @@
 """The pure sum / min trees of ``shmbuf.sampling.sumtree``, against NumPy models.
 
 Property tests (hypothesis) with random batches of leaf updates, duplicates included: every
-internal node is exactly the sum (and min over positive leaves) of its two children, the root is
+internal node is exactly the sum (and min over positive leaves) of its children, the root is
 the sum of the leaves, a full rebuild from the leaves reproduces what ``update`` built,
 ``descend`` maps a prefix sum to the leaf ``np.searchsorted`` finds on the cumulative sum, and
 ``sample`` never returns a zero leaf while some leaf is positive. Floating point can still land a descent on a zero leaf (and a
@@ -30,19 +30,45 @@ SETTINGS = settings(max_examples=150, deadline=None)
 # --------------------------------------------------------------------------------------------
 # Models and invariants
 # --------------------------------------------------------------------------------------------
+def leaf_count(sums: np.ndarray) -> int:
+    return sumtree.levels(sums.shape[1])[0][1]
+
+
+def children(width: int):
+    """(parent column, its children's columns) of every internal node, root included."""
+    levels = sumtree.levels(width)
+    F = sumtree.FANOUT
+    for (offset, size), (parent_offset, parent_size) in zip(levels[:-1], levels[1:]):
+        for j in range(parent_size if parent_size > 1 else 1):
+            if j * F >= size:  # a padding node: no children below it
+                yield parent_offset + j, np.zeros(0, np.int64)
+            else:
+                yield parent_offset + j, offset + j * F + np.arange(F)
+
+
+def sum_of(values: np.ndarray) -> np.ndarray:
+    """Sum over the last axis in the tree's order: halves added until one is left."""
+    if values.shape[-1] == 0:
+        return np.zeros(values.shape[:-1])
+    while values.shape[-1] > 1:
+        values = values[..., : values.shape[-1] // 2] + values[..., values.shape[-1] // 2 :]
+    return values[..., 0]
+
+
 def assert_invariants(sums: np.ndarray, mins: np.ndarray, leaves: np.ndarray) -> None:
-    """``leaves`` ([lanes, P]) are the trees' leaves and every internal node is exactly what
-    its children say; the root equals the leaf sum (to rounding: the tree adds pairwise)."""
-    P = sums.shape[1] // 2
-    np.testing.assert_array_equal(sums[:, P:], leaves)
-    np.testing.assert_array_equal(mins[:, P:], np.where(leaves > 0, leaves, np.inf))
-    n = np.arange(1, P)
-    np.testing.assert_array_equal(sums[:, n], sums[:, 2 * n] + sums[:, 2 * n + 1])
-    np.testing.assert_array_equal(mins[:, n], np.minimum(mins[:, 2 * n], mins[:, 2 * n + 1]))
+    """``leaves`` ([lanes, L]) are the trees' leaves and every internal node is exactly what
+    its children say; the root equals the leaf sum (to rounding: the tree adds blockwise)."""
+    L = leaf_count(sums)
+    np.testing.assert_array_equal(sums[:, :L], leaves)
+    np.testing.assert_array_equal(mins[:, :L], np.where(leaves > 0, leaves, np.inf))
+    for parent, kids in children(sums.shape[1]):
+        np.testing.assert_array_equal(sums[:, parent], sum_of(sums[:, kids]))
+        np.testing.assert_array_equal(mins[:, parent], mins[:, kids].min(axis=1, initial=np.inf))
     for k in range(leaves.shape[0]):
-        assert math.isclose(sums[k, 1], math.fsum(leaves[k]), rel_tol=1e-12, abs_tol=0.0)
+        assert math.isclose(sumtree.roots(sums)[k], math.fsum(leaves[k]), rel_tol=1e-12,
+                            abs_tol=0.0)
         positive = leaves[k][leaves[k] > 0]
-        assert mins[k, 1] == (positive.min() if positive.size else np.inf)
+        assert sumtree.roots(mins)[k] == (positive.min() if positive.size else np.inf)
 
 
 values_float = st.one_of(
@@ -74,27 +100,24 @@ def apply_model(model: np.ndarray, lanes: np.ndarray, leaves: np.ndarray, values
 
 
 def new_trees(lanes: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Empty (sums, mins) trees, ``[lanes, 2P]`` each."""
-    P = sumtree.tree_size(capacity)
-    return np.zeros((lanes, 2 * P)), np.full((lanes, 2 * P), np.inf)
+    """Empty (sums, mins) trees, ``[lanes, W]`` each."""
+    W = sumtree.tree_width(capacity)
+    return np.zeros((lanes, W)), np.full((lanes, W), np.inf)
 
 
 def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
     """The reference for ``update``'s ancestors: every internal node recomputed from the
-    leaves, level by level."""
-    P = sums.shape[1] // 2
-    mins[:, P:] = np.where(sums[:, P:] > 0, sums[:, P:], np.inf)
-    n = P
-    while n > 1:
-        half = n // 2
-        sums[:, half:n] = sums[:, n : 2 * n : 2] + sums[:, n + 1 : 2 * n : 2]
-        mins[:, half:n] = np.minimum(mins[:, n : 2 * n : 2], mins[:, n + 1 : 2 * n : 2])
-        n = half
+    leaves, node by node, level by level (bottom up)."""
+    L = leaf_count(sums)
+    mins[:, :L] = np.where(sums[:, :L] > 0, sums[:, :L], np.inf)
+    for parent, kids in children(sums.shape[1]):
+        sums[:, parent] = sum_of(sums[:, kids])
+        mins[:, parent] = mins[:, kids].min(axis=1, initial=np.inf)
 
 
 def build(lanes: int, capacity: int, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sums, mins = new_trees(lanes, capacity)
-    model = np.zeros((lanes, sumtree.tree_size(capacity)))
+    model = np.zeros((lanes, leaf_count(sums)))
     for ln, leaf, val in batches:
         sumtree.update(sums, mins, ln, leaf, val)
         apply_model(model, ln, leaf, val)
@@ -104,20 +127,31 @@ def build(lanes: int, capacity: int, batches) -> tuple[np.ndarray, np.ndarray, n
 def lanes_with_leaves(sums: np.ndarray, model: np.ndarray):
     """(lane, root sum, cumulative leaf sums) of each lane with a positive leaf."""
     for k in range(model.shape[0]):
-        if sums[k, 1] != 0:
-            yield k, sums[k, 1], np.cumsum(model[k])
+        if sumtree.roots(sums)[k] != 0:
+            yield k, sumtree.roots(sums)[k], np.cumsum(model[k])
 
 
 # --------------------------------------------------------------------------------------------
 # Shape
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("capacity, P", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (1000, 1024),
-                                         (1 << 20, 1 << 20), ((1 << 20) + 1, 1 << 21)])
-def test_tree_size_is_the_next_power_of_two(capacity, P):
-    assert sumtree.tree_size(capacity) == P
-    sums, mins = new_trees(2, min(capacity, 4096))
-    assert sums.shape == mins.shape == (2, 2 * sumtree.tree_size(min(capacity, 4096)))
-    assert (sums == 0).all() and (mins == np.inf).all()
+@pytest.mark.parametrize("capacity", [1, 2, 31, 32, 33, 1000, 1024, 1025, 100_000, 1 << 20,
+                                      (1 << 20) + 1, 10_000_000])
+def test_tree_levels_hold_the_capacity_in_few_levels(capacity):
+    """Leaves first (at least ``capacity``), each level a whole number of blocks of FANOUT, the
+    top level one block under the root (the last column); ``levels`` recovers the geometry
+    from the width alone (what a worker attaching a table knows); 10M rows take 5 levels."""
+    F = sumtree.FANOUT
+    width = sumtree.tree_width(capacity)
+    levels = sumtree.levels(width)
+    assert levels[0][0] == 0 and capacity <= levels[0][1] < capacity + F
+    assert levels[-1] == (width - 1, 1) and levels[-2][1] == F
+    for (offset, size), (next_offset, next_size) in zip(levels[:-1], levels[1:]):
+        assert offset + size == next_offset and size % F == 0
+        assert next_size == 1 or next_size * F >= size
+    assert len(levels) - 1 <= 5
+    if capacity <= 4096:
+        sums, mins = new_trees(2, capacity)
+        assert (sums == 0).all() and (mins == np.inf).all()
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,9 +173,9 @@ def test_rebuild_reproduces_the_trees_update_built(case):
     leaves no stale ancestor behind, whatever the order and overlap of its batches."""
     sums, mins, _ = build(*case)
     s2, m2 = sums.copy(), mins.copy()
-    P = s2.shape[1] // 2
-    s2[:, 1:P] = -1.0  # garbage in every internal node (node 0 is unused)
-    m2[:, 1:P] = -1.0
+    L = leaf_count(s2)
+    s2[:, L:] = -1.0  # garbage in every internal node
+    m2[:, L:] = -1.0
     rebuild(s2, m2)
     np.testing.assert_array_equal(s2, sums)
     np.testing.assert_array_equal(m2, mins)
@@ -202,7 +236,7 @@ def test_sample_never_returns_a_zero_leaf_while_some_are_positive(case, seed):
             sumtree.sample(sums, 8, rng)
         return
     lanes, leaves, total = sumtree.sample(sums, 512, rng)
-    assert total == sums[:, 1].sum()
+    assert total == sumtree.roots(sums).sum()
     assert (model[lanes, leaves] > 0).all(), "drew a zero leaf"
 
 
@@ -232,17 +266,93 @@ def test_a_zero_leaf_reached_by_a_descent_is_redrawn_not_delivered():
         table = PriorityTable.create(buf, alpha=1.0, eps=0.0)
         try:
             table.sync(buf)
-            P = table.sums.shape[1] // 2
             # Leaf 3 holds most of the mass in the ancestors, but is zero itself: exactly a
             # reader's view halfway through the learner's update(leaf 3 -> 0).
             sumtree.update(table.sums, table.mins, np.array([0]), np.array([3]),
                            np.array([20.0]))
-            table.sums[0, P + 3] = 0.0
+            table.sums[0, 3] = 0.0
             draws = [table.draw(buf.windows(), 256, np.random.default_rng(s)) for s in range(8)]
             idx = np.concatenate([d.indices for d in draws])
             assert 3 not in idx
             assert set(idx.tolist()) == {0, 1, 2, 4, 5, 6, 7}
             for d in draws:  # the probabilities it reports are those of the leaves it kept
-                np.testing.assert_allclose(d.probs, 1.0 / table.sums[0, 1])
+                np.testing.assert_allclose(d.probs, 1.0 / table.total())
         finally:
             table.close()
+
+
+# --------------------------------------------------------------------------------------------
+# fill (contiguous runs), proportionality at scale
+# --------------------------------------------------------------------------------------------
+@SETTINGS
+@given(update_batches(), st.integers(0, 3), st.data())
+def test_fill_builds_what_update_builds(case, lane_seed, data):
+    """Entering a contiguous run of leaves with ``fill`` (slices) leaves the trees bit-identical
+    to entering the same leaves one by one with ``update``."""
+    lanes, capacity, batches = case
+    sums, mins, model = build(lanes, capacity, batches)
+    lane = lane_seed % lanes
+    start = data.draw(st.integers(0, capacity - 1))
+    stop = data.draw(st.integers(start, capacity))
+    values = np.array(data.draw(st.lists(values_float, min_size=stop - start,
+                                         max_size=stop - start)), np.float64)
+    s2, m2 = sums.copy(), mins.copy()
+    sumtree.fill(sums, mins, lane, start, values)
+    sumtree.update(s2, m2, np.full(values.size, lane), np.arange(start, stop), values)
+    np.testing.assert_array_equal(sums, s2)
+    np.testing.assert_array_equal(mins, m2)
+    model[lane, start:stop] = values
+    assert_invariants(sums, mins, model)
+
+
+@pytest.mark.parametrize("capacity", [1000, 100_000])
+def test_draws_are_proportional_by_chi_square_and_zeros_never_come_up(capacity):
+    """Many draws from a deep wide tree against the brute-force probabilities: Pearson's
+    chi-square over 20 equal-probability bins of leaves stays below the 1e-4 tail, and a leaf
+    at zero (a third of them) is never drawn."""
+    rng = np.random.default_rng(capacity)
+    sums, mins = new_trees(2, capacity)
+    values = rng.pareto(1.5, (2, capacity)) * (rng.random((2, capacity)) > 1 / 3)
+    for lane in range(2):
+        sumtree.fill(sums, mins, lane, 0, values[lane])
+    flat = values.reshape(-1)
+    n = 400_000
+    lanes, leaves, total = sumtree.sample(sums, n, rng)
+    drawn = lanes * capacity + leaves
+    assert (flat[drawn] > 0).all(), "drew a zero leaf"
+    assert math.isclose(total, math.fsum(flat), rel_tol=1e-12)
+    # 20 bins of (nearly) equal probability over the leaves in order.
+    edges = np.searchsorted(np.cumsum(flat) / flat.sum(), np.linspace(0, 1, 21)[1:-1])
+    bins = np.searchsorted(edges, drawn, side="right")
+    observed = np.bincount(bins, minlength=20)
+    p = np.add.reduceat(flat, np.r_[0, edges]) / flat.sum()
+    chi2 = float((((observed - n * p) ** 2) / (n * p)).sum())
+    assert chi2 < 50.0, (chi2, observed, n * p)  # chi-square(19) upper 1e-4 tail is ~49.5
+
+
+def test_updates_move_the_draws():
+    """After ``update`` moves all the mass onto a few leaves, only they are drawn."""
+    sums, mins = new_trees(1, 5000)
+    sumtree.fill(sums, mins, 0, 0, np.ones(5000))
+    chosen = np.array([3, 1234, 4999])
+    sumtree.update(sums, mins, np.zeros(5000, np.int64), np.arange(5000), np.zeros(5000))
+    sumtree.update(sums, mins, np.zeros(3, np.int64), chosen, np.array([1.0, 2.0, 1.0]))
+    _, leaves, total = sumtree.sample(sums, 40_000, np.random.default_rng(1))
+    assert total == 4.0 and set(leaves.tolist()) == set(chosen.tolist())
+    assert abs((leaves == 1234).mean() - 0.5) < 0.02
+    assert sumtree.roots(mins)[0] == 1.0
+
+
+def test_a_descent_through_parents_ahead_of_their_children_stays_in_the_tree():
+    """A reader racing the learner can see a parent (up to the root) larger than its children
+    sum to: the descent is carried past the last real node of a level onto padding. It must
+    still end on a leaf of the tree (a zero one, which ``PriorityTable.draw`` redraws), not
+    index past a level."""
+    for capacity in (64, 1000, 5000):
+        sums, mins = new_trees(1, capacity)
+        sumtree.fill(sums, mins, 0, 0, np.ones(capacity))
+        L = leaf_count(sums)
+        sums[0, L:] *= 4.0  # every parent says four times what its children hold
+        u = np.linspace(0, sumtree.roots(sums)[0], 257)[:-1]
+        leaves = sumtree.descend(sums, np.zeros(u.size, np.int64), u)
+        assert ((leaves >= 0) & (leaves < L)).all()

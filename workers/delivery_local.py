@@ -47,6 +47,9 @@ class InProcessDelivery(Delivery):
         deadline = time.monotonic() + timeout
 
         def wait(backoff: Backoff) -> None:
+            # In-process the learner is the table's writer: rows the writers added meanwhile
+            # (those a prioritized draw found overwritten) enter now, else it would wait in vain.
+            self.selection.enter_new_rows()
             now = time.monotonic()
             if now >= deadline:
                 raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")

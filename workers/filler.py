@@ -69,7 +69,7 @@ class BatchFiller:
 
     def can_draw(self) -> bool:
         """May a batch be drawn now (``min_size``, the rate limiter, priorities entered)?"""
-        if self.table is not None and not self.table.sums[:, 1].sum() > 0:
+        if self.table is not None and not self.table.total() > 0:
             return False  # the learner has not entered any row's priority yet
         return self.limiter.can_sample(self.batch_size, self.min_size, self.rate_limited)
 

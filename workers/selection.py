@@ -154,7 +154,6 @@ class CountedSelection(Selection):
     def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
         self.sync()
         table, capacity, k = self.table, self.buf.capacity, self.max_times
-        leaves = table.sums.shape[1] // 2  # the leaf level of each lane's tree starts here
         taken_lanes, taken_indices, taken_probs = [], [], []
         chosen = np.zeros(0, np.int64)  # slots chosen so far in this batch, sorted
         parked = []  # (lanes, leaves, values) zeroed while choosing; restored on failure
@@ -172,7 +171,7 @@ class CountedSelection(Selection):
                 full = done[self.counts[done] + _uses(chosen, done) >= k]
                 if full.size:
                     lane, leaf = full // capacity, full % capacity
-                    parked.append((lane, leaf, table.sums[lane, leaves + leaf].copy()))
+                    parked.append((lane, leaf, table.sums[lane, leaf].copy()))
                     sumtree.update(table.sums, table.mins, lane, leaf, np.zeros(full.size))
                 taken_lanes.append(draw.lanes[ok])
                 taken_indices.append(draw.indices[ok])
