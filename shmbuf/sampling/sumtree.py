@@ -67,9 +67,10 @@ def _blocks(tree: np.ndarray, offset: int, size: int) -> np.ndarray:
     """The level at ``offset`` as a ``[lanes, size // FANOUT, FANOUT]`` view of ``tree``."""
     if size == 1:  # the root's children are the top level (one block): never asked for
         raise ValueError("the root has no block")
-    view = tree[:, offset:offset + size].reshape(tree.shape[0], size // FANOUT, FANOUT)
-    assert np.shares_memory(view, tree)
-    return view
+    lane_stride, column = tree.strides
+    return np.lib.stride_tricks.as_strided(
+        tree[:, offset:], (tree.shape[0], size // FANOUT, FANOUT),
+        (lane_stride, FANOUT * column, column), writeable=tree.flags.writeable)
 
 
 def block_sums(blocks: np.ndarray) -> np.ndarray:

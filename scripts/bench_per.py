@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Prioritized replay at speed (issue 16): the learner's ``next()`` + ``update_priorities()``.
+
+In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, in-process
+(``SamplerPool(sampler="prioritized", n_workers=0)``):
+  - quiet: shmbuf against cpprb's ``PrioritizedReplayBuffer`` (sample + update_priorities) on
+    100k rows, side by side in rounds (``benchlib.run_rounds``);
+  - scale: time per batch at 100k, 1M and 10M rows;
+  - under load: 2 writer processes (one lane each) adding 64-row chunks at 25k, 100k, 400k
+    rows/s each and flat out, while the learner samples + updates: the learner's batches/s
+    against its quiet rate, the writers' rows/s against the same writers beside a uniform
+    learner, and any exception the learner raised.
+
+Run it with another checkout first on PYTHONPATH to measure that one (before/after):
+
+    python scripts/bench_per.py [--quick] [--seconds S] [--rounds N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import benchlib
+from benchlib import TimedCase
+from shmbuf import ReplayBuffer, Spec
+from workers import SamplerPool
+
+ALPHA, BETA, B, COLUMNS, CHUNK = 0.6, 0.4, 256, 42, 64
+TD_POOL = 64  # distinct |TD| arrays cycled through (the RNG is not what is measured)
+SPEC = Spec({"obs": ((COLUMNS,), "float32")})
+RATES: tuple[float | None, ...] = (25_000, 100_000, 400_000, None)  # per writer; None: flat out
+
+
+def tds(rng: np.random.Generator) -> list[np.ndarray]:
+    return [np.abs(rng.standard_normal(B)) for _ in range(TD_POOL)]
+
+
+def prioritized(buf: ReplayBuffer) -> SamplerPool:
+    return SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60,
+                       sampler="prioritized", alpha=ALPHA, beta=BETA)
+
+
+def learner_step(pool: SamplerPool, errors: list[np.ndarray]) -> Callable[[], None]:
+    """One learner iteration: a batch, then new priorities for its rows."""
+    k = [0]
+
+    def step() -> None:
+        batch = pool.next()
+        pool.update_priorities(batch.indices, errors[k[0] % TD_POOL])
+        k[0] += 1
+
+    return step
+
+
+def filled(rows: int, lanes: int = 1) -> ReplayBuffer:
+    buf = ReplayBuffer.create(SPEC, capacity=rows // lanes, lanes=lanes)
+    chunk = benchlib.random_rows(SPEC, 5000, np.random.default_rng(0))
+    for lane in range(lanes):
+        benchlib.fill_repeating(buf, chunk, rows // lanes, lane=lane)
+    return buf
+
+
+# ------------------------------------------------------------------------------------------------
+# Quiet and scale
+# ------------------------------------------------------------------------------------------------
+def cpprb_step(rows: int, errors: list[np.ndarray]) -> tuple[Callable[[], None] | None, str]:
+    try:
+        import cpprb
+    except ImportError as e:
+        return None, f"cpprb not installed ({e})"
+    rb = cpprb.PrioritizedReplayBuffer(rows, {"obs": {"shape": COLUMNS, "dtype": np.float32}},
+                                       alpha=ALPHA)
+    chunk = benchlib.random_rows(SPEC, 5000, np.random.default_rng(0))
+    for _ in range(rows // 5000):
+        rb.add(**chunk)
+    k = [0]
+
+    def step() -> None:
+        s = rb.sample(B, beta=BETA)
+        rb.update_priorities(s["indexes"], errors[k[0] % TD_POOL])
+        k[0] += 1
+
+    return step, cpprb.__version__ if hasattr(cpprb, "__version__") else "cpprb"
+
+
+def quiet(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
+    errors = tds(np.random.default_rng(1))
+    with filled(rows) as buf, prioritized(buf) as pool:
+        pool.next()  # the first batch enters every row
+        cases = [TimedCase("shmbuf", benchlib.loop_runner(learner_step(pool, errors)))]
+        step, what = cpprb_step(rows, errors)
+        if step is not None:
+            cases.append(TimedCase("cpprb_rate", benchlib.loop_runner(step)))
+        benchlib.run_rounds([cases], rounds, seconds, f"quiet {rows} rows")
+    out: dict[str, Any] = {c.name: statistics.median(c.rates) for c in cases}
+    if step is not None:
+        out["shmbuf/cpprb"] = benchlib.ratio(cases[0], cases[1])["median"]
+    out["cpprb"] = what
+    return out
+
+
+def scale(sizes: list[int], seconds: float) -> dict[str, float]:
+    errors = tds(np.random.default_rng(1))
+    out = {}
+    for rows in sizes:
+        with filled(rows) as buf, prioritized(buf) as pool:
+            t0 = time.perf_counter()
+            pool.next()
+            first = time.perf_counter() - t0
+            case = TimedCase(str(rows), benchlib.loop_runner(learner_step(pool, errors)))
+            benchlib.run_rounds([[case]], 3, seconds, f"scale {rows} rows")
+            out[str(rows)] = statistics.median(case.secs)
+            print(f"  {rows} rows: first batch (enters every row) {first * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Under load
+# ------------------------------------------------------------------------------------------------
+def writer_main(name: str, lane: int, rate: float | None, stop: Any) -> None:
+    """Add CHUNK-row chunks to ``lane`` at ``rate`` rows/s (None: as fast as it can)."""
+    buf = ReplayBuffer.attach(name)
+    chunk = benchlib.random_rows(SPEC, CHUNK, np.random.default_rng(lane))
+    with buf, buf.writer(lane) as w:
+        t0, written = time.perf_counter(), 0
+        while not stop.is_set():
+            w.extend(chunk)
+            written += CHUNK
+            if rate is not None:
+                ahead = written / rate - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+
+def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], None],
+           rate: float | None, seconds: float) -> dict[str, Any]:
+    """Learner batches/s and writer rows/s (both writers together) while the writers run."""
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=writer_main, args=(buf.name, lane, rate, stop), daemon=True)
+             for lane in range(2)]
+    for p in procs:
+        p.start()
+    raised, batches = "", 0
+    try:
+        start = np.asarray(buf.committed()).copy()
+        deadline = time.monotonic() + 60
+        while (np.asarray(buf.committed()) == start).any() and time.monotonic() < deadline:
+            time.sleep(0.05)  # until both writers are attached and writing
+        time.sleep(0.2)
+        c0, t0 = int(np.sum(buf.committed())), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            try:
+                step()
+            except Exception as e:  # the learner must not raise: report what it did
+                raised = f"{type(e).__name__}: {e}"[:160]
+                break
+            batches += 1
+        took = time.perf_counter() - t0
+        rows = int(np.sum(buf.committed())) - c0
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return {"learner_batches_per_s": batches / took, "writer_rows_per_s": rows / took,
+            "raised": raised}
+
+
+def under_load(rows: int, seconds: float) -> dict[str, Any]:
+    errors = tds(np.random.default_rng(1))
+    out: dict[str, Any] = {}
+    with filled(rows, lanes=2) as buf:
+        with prioritized(buf) as pool:
+            pool.next()
+            step = learner_step(pool, errors)
+            out["quiet"] = benchlib.rate_for(step, seconds)
+            for rate in RATES:
+                label = "flat out" if rate is None else f"{rate:.0f}"
+                out[label] = loaded(buf, pool, step, rate, seconds)
+        with SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
+            for rate in RATES:
+                label = "flat out" if rate is None else f"{rate:.0f}"
+                out[label]["uniform_writer_rows_per_s"] = loaded(
+                    buf, uniform, uniform.next, rate, seconds)["writer_rows_per_s"]
+    return out
+
+
+def report(res: dict[str, Any]) -> None:
+    q = res["quiet"]
+    print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32: shmbuf "
+          f"{q['shmbuf']:.0f} batches/s" + (f", cpprb {q['cpprb_rate']:.0f}, ratio "
+                                            f"{q['shmbuf/cpprb']:.2f}x" if "cpprb_rate" in q
+                                            else f" ({q['cpprb']})"))
+    base = None
+    for rows, s in res["scale"].items():
+        base = base or s
+        print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x)")
+    load = res["load"]
+    print(f"under load (2 writers, {res['rows']} rows in 2 lanes); learner quiet "
+          f"{load['quiet']:.0f} batches/s")
+    for label in [k for k in load if k != "quiet"]:
+        r = load[label]
+        print(f"  {label:>8} rows/s each: learner {r['learner_batches_per_s']:.0f} batches/s "
+              f"({r['learner_batches_per_s'] / load['quiet']:.2f} of quiet), writers "
+              f"{r['writer_rows_per_s']:,.0f} rows/s ({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
+              f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
+              + (f"  RAISED {r['raised']}" if r["raised"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="no 10M scale row, shorter rounds")
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--seconds", type=float, default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--skip", default="", help="comma list of quiet,scale,load to skip")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    seconds = args.seconds or (0.5 if args.quick else 2.0)
+    skip = set(args.skip.split(","))
+    import shmbuf
+    res: dict[str, Any] = {"rows": args.rows, "shmbuf": shmbuf.__file__,
+                           "machine": benchlib.machine_line(benchlib.machine())}
+    print(f"shmbuf from {shmbuf.__file__}; {res['machine']}")
+    res["quiet"] = quiet(args.rows, args.rounds, seconds) if "quiet" not in skip else {
+        "shmbuf": float("nan"), "cpprb": "skipped"}
+    sizes = [100_000, 1_000_000] + ([] if args.quick else [10_000_000])
+    res["scale"] = scale(sizes, seconds) if "scale" not in skip else {}
+    res["load"] = under_load(args.rows, max(seconds, 2.0)) if "load" not in skip else {
+        "quiet": 1.0}
+    report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
