@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -253,7 +253,7 @@ class BufferStorage:
             self._checker = RowChecker(spec)
         return self._checker
 
-    def refuse_episode_data(self, data: Mapping[str, Any]) -> None:
+    def refuse_episode_data(self, data: Mapping[str, Any]) -> NoReturn:
         """Raise: ``end_episode`` got episode data, and this buffer has no episode spec."""
         raise SpecMismatchError(
             f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "
