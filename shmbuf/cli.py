@@ -20,18 +20,10 @@ import numpy as np
 from . import layout as L
 from .checks import timeout_seconds
 from .errors import SegmentFormatError, ShmbufError
-from .segment import (
-    SHM_DIR,
-    Segment,
-    SegmentInfo,
-    fmt_bytes,
-    is_locked,
-    normalize_name,
-    open_regular,
-    read_header,
-    scan,
-    unlink,
-)
+from .lease import is_locked
+from .scan import SegmentInfo, open_regular, scan
+from .segment import Segment, fmt_bytes, read_header
+from .shmdir import SHM_DIR, normalize_name, unlink
 from .spec import Spec
 
 PLUGIN_GROUP = "shmbuf.commands"

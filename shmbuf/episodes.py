@@ -20,7 +20,8 @@ import numpy as np
 from . import layout as L
 from . import slots
 from .errors import SpecMismatchError, StaleIndexError
-from .spec import RowChecker, Spec
+from .rowcheck import RowChecker
+from .spec import Spec
 
 
 MAX_EPISODE = (1 << 62) - 2  # the largest id whose stamp 2e+2 fits the int64 stamp word

@@ -19,10 +19,12 @@ from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
 from .errors import ClosedError, LaneBusyError, SegmentFormatError, SpecMismatchError
+from .lease import Lease
 from .limiter import Limiter
+from .rowcheck import RowChecker
 from .sampling import Windows
-from .segment import Lease, Segment
-from .spec import RowChecker, Spec
+from .segment import Segment
+from .spec import Spec
 
 
 def field_tuples(spec: Spec) -> list[tuple[str, tuple[int, ...], np.dtype]]:

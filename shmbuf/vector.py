@@ -15,7 +15,7 @@ import numpy as np
 
 from . import layout as L
 from .errors import SpecMismatchError
-from .spec import RowChecker
+from .rowcheck import RowChecker
 from .writer import LaneWriter, Writer
 
 if TYPE_CHECKING:

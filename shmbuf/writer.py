@@ -18,7 +18,7 @@ from . import layout as L
 from . import slots
 from .checks import ring_segments, timeout_seconds
 from .errors import ClosedError
-from .segment import Lease
+from .lease import Lease
 
 if TYPE_CHECKING:
     from .storage import BufferStorage

@@ -290,7 +290,7 @@ def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str) -> Iterat
     its workers and the staging ring it leaks when killed are cleaned up."""
     import multiprocess
 
-    from shmbuf.segment import unlink
+    from shmbuf.shmdir import unlink
 
     spawn = multiprocess.get_context("spawn")
     parent_end, child_end = spawn.Pipe()

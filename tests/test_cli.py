@@ -24,7 +24,8 @@ import pytest
 import shmbuf
 from shmbuf import cli
 from shmbuf import layout as L
-from shmbuf.segment import SHM_DIR, Segment, fmt_bytes, unlink
+from shmbuf.segment import Segment, fmt_bytes
+from shmbuf.shmdir import SHM_DIR, unlink
 
 SPEC = shmbuf.Spec({"obs/camera": ((3, 4), "uint8"), "reward": ((), "float32")})
 SCRIPT = Path(sys.executable).with_name("shmbuf")

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf.segment import unlink
+from shmbuf.shmdir import unlink
 from tests import pool_procs as procs
 from workers import ActorGroup, SamplerPool
 
