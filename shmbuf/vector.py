@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import layout as L
+from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
 from .writer import LaneWriter, Writer
@@ -54,6 +55,40 @@ class VectorWriter(LaneWriter):
             if storage.episode_spec is not None
             else None
         )
+
+    @classmethod
+    def open(cls, storage: BufferStorage, num_envs: int | None, lanes: list[int] | None,
+             timeout: float, insert_timeout: float) -> VectorWriter:
+        """A vector writer of ``lanes``, or of ``num_envs`` free lanes, each taken within
+        ``timeout`` s (``Writer.open``); every lane taken is released again if one fails."""
+        if lanes is None:
+            num_envs = positive_int("num_envs", num_envs)
+            if num_envs > storage.lanes:
+                raise ValueError(
+                    f"num_envs={num_envs} needs as many lanes, the buffer has {storage.lanes}. "
+                    f"Fix: create it with lanes >= num_envs"
+                )
+            wanted: list[int | None] = [None] * num_envs  # any free lanes
+        else:
+            lanes = [storage.lane_index(k) for k in lanes]
+            if not lanes or len(set(lanes)) != len(lanes):
+                raise ValueError(
+                    f"lanes must list distinct lanes, at least one, got {lanes!r}: each env "
+                    f"writes its own lane"
+                )
+            if num_envs is not None and num_envs != len(lanes):
+                raise ValueError(f"num_envs={num_envs} but {len(lanes)} lanes were given")
+            wanted = list(lanes)
+        writers: list[Writer] = []
+        try:
+            for k in wanted:
+                writers.append(Writer.open(storage, k, timeout, insert_timeout))
+            return cls(storage, sorted(writers, key=lambda w: w.lane) if lanes is None
+                       else writers)
+        except BaseException:  # every lane taken so far is released before this propagates
+            for w in writers:
+                w.close()
+            raise
 
     @property
     def committed(self) -> np.ndarray:

@@ -265,6 +265,19 @@ class Writer(LaneWriter):
         self._step = committed - start
         self._episode_bits = episode << L.STEP_BITS
 
+    @classmethod
+    def open(cls, storage: BufferStorage, lane: int | None, timeout: float,
+             insert_timeout: float) -> Writer:
+        """A writer of ``lane``, or of the first free lane, taken within ``timeout`` s
+        (``BufferStorage.lease_lane``). A lane whose writer died is taken over: the new writer
+        continues at its ``committed`` index and starts a new episode."""
+        lane, lease = storage.lease_lane(lane, timeout)
+        try:
+            return cls(storage, lane, lease, insert_timeout)
+        except BaseException:
+            lease.close()  # releases the lane now, not when the traceback dies
+            raise
+
     # -- state -----------------------------------------------------------------------------------------
     @property
     def committed(self) -> int:
