@@ -111,8 +111,8 @@ class LaneWriter:
     def _make_room(self, n: int, at: int, timeout: float | None = None) -> None:
         """Wait until ``n`` more rows (over all lanes: ``n / width`` per lane, at least one)
         may be inserted, up to ``timeout`` (default ``self.timeout``); refresh the heartbeats."""
-        self._heartbeat_v[self._lane_ids] = time.time_ns()
         wait = self.timeout if timeout is None else timeout_seconds("timeout", timeout)
+        self._heartbeat_v[self._lane_ids] = time.time_ns()  # (a refused timeout stores nothing)
         room, self._lim_gen = self._limiter.wait_for_insert(
             n // self._width or 1, wait, self._check_open, self._who, self._lane_ids)
         self._room_until = at + room * self._width
