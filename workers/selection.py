@@ -4,8 +4,8 @@
 (the single writer of the counts, the priority table and the queue cursors) picks the rows and
 writes them into the staging slot; a worker only gathers them. Plain uniform and prioritized
 sampling need no such bookkeeping and stay entirely in the workers. The pool asks for a batch
-only when ``min_size`` and ``samples_per_insert`` allow one (``SamplerPool._may_select``), as
-workers check before they draw.
+only when ``min_size`` and ``samples_per_insert`` allow one (``Delivery.may_select``, through
+``Limiter.can_sample``), as workers check before they draw.
 
 - ``CountedSelection``: draws from a ``PriorityTable`` (uniform: every live row 1.0), counts each
   row's deliveries, and retires a row (priority 0) when it reaches ``k``. A row is never
