@@ -75,7 +75,7 @@ class BatchReader:
         from .reader import PlanReader
 
         reader = self._readers.get(id(compiled))
-        if reader is None or reader.c is not compiled:
+        if reader is None or reader.compiled is not compiled:
             reader = self._readers[id(compiled)] = PlanReader(self._storage, compiled)
         return reader
 

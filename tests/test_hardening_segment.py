@@ -38,6 +38,7 @@ from shmbuf import layout as L
 from shmbuf import segment as S
 from shmbuf.segment import Segment
 from shmbuf.shmdir import SHM_DIR
+from tests._helpers.processes import reporting_child
 
 SPEC = shmbuf.Spec(x=((4,), "float32"))
 # magic, version, kind, total size, owner pid, owner start, created, owner uid, JSON length
@@ -530,20 +531,11 @@ def _owner_child(mp: Any, target: Callable[..., None], *args: Any) -> Iterator[t
     """Start ``target(conn, *args)`` in a child that creates a buffer and sends its name; yields
     (process, parent end, name). On the way out: the child is killed if still alive and the
     name is unlinked if it is still there."""
-    parent, child_end = mp.Pipe()
-    proc = mp.Process(target=target, args=(child_end, *args))
-    proc.start()
-    child_end.close()
     name = None
     try:
-        assert parent.poll(60), "the owner child never reported"
-        name = parent.recv()
-        yield proc, parent, name
+        with reporting_child(mp, target, *args, what="the owner child") as (proc, parent, name):
+            yield proc, parent, name
     finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
         if name is not None:
             shmdir.unlink(name)
 

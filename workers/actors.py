@@ -153,7 +153,7 @@ class ActorGroup:
             raise ValueError(f"restart must be one of {RESTART_POLICIES}, got {restart!r}")
         lane_timeout = timeout_seconds("lane_timeout", lane_timeout)
         self._own_buffer = not isinstance(buffer, ReplayBuffer)
-        self._buf = ReplayBuffer.attach(buffer) if self._own_buffer else buffer
+        self._buf = buffer if isinstance(buffer, ReplayBuffer) else ReplayBuffer.attach(buffer)
         lanes = list(range(n_actors)) if lanes is None else list(lanes)
         if len(lanes) != n_actors or len(set(lanes)) != n_actors or not all(
             isinstance(k, int) and 0 <= k < self._buf.lanes for k in lanes
@@ -175,7 +175,7 @@ class ActorGroup:
                 f"({type(e).__name__}: {e}); create unpicklable objects inside it instead"
             ) from e
         self.restart = restart
-        self._children = ChildSet(multiprocess.get_context(start_method), actor_main,
+        self._children: ChildSet[_Actor] = ChildSet(multiprocess.get_context(start_method), actor_main,
                                   "shmbuf-actor", max_restarts_per_minute)
         self._seed = np.random.SeedSequence(seed)
         self._lane_timeout = lane_timeout
@@ -226,7 +226,7 @@ class ActorGroup:
     @staticmethod
     def _last_message(actor: _Actor) -> tuple[int | None, str]:
         """The last record the actor sent (DONE, or ERROR with its traceback)."""
-        messages, _ = actor.chan.receive()
+        messages = actor.receive()
         if not messages:
             return None, ""
         op, _, _, text = messages[-1]

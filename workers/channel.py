@@ -48,7 +48,7 @@ class Channel:
 
     def receive(self) -> tuple[list[tuple[int, int, int, bytes]], bool]:
         """Every record waiting now, without blocking, and whether the peer has hung up."""
-        out = []
+        out: list[tuple[int, int, int, bytes]] = []
         recv = self.sock.recv
         while True:
             try:

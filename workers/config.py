@@ -14,13 +14,13 @@ from typing import Any, Callable
 import cloudpickle
 import numpy as np
 
-from shmbuf import layout as L
+from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
 OUTPUTS = ("numpy", "torch", "jax")
-SAMPLERS = ("uniform", "prioritized", "queue")
+SELECTIONS = ("uniform", "prioritized", "queue")  # the ``sampler=`` keyword's values
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PoolConfig:
     ordered: bool
     pin_memory: bool
     max_restarts_per_minute: float
-    sampler: str
+    selection: str  # the ``sampler=`` keyword: how rows are chosen (``selection.py``)
     alpha: float
     beta: Callable[[int], float]
     eps: float
@@ -78,8 +78,8 @@ class PoolConfig:
         batch_size = positive_int("batch_size", batch_size)
         if n_workers is None:
             n_workers = max(1, min(4, (os.cpu_count() or 2) - 1))
-        if not isinstance(n_workers, int) or not 0 <= n_workers <= L.MAX_SAMPLERS:
-            raise ValueError(f"n_workers must be an int in [0, {L.MAX_SAMPLERS}], got {n_workers!r}")
+        if not isinstance(n_workers, int) or not 0 <= n_workers <= MAX_SAMPLERS:
+            raise ValueError(f"n_workers must be an int in [0, {MAX_SAMPLERS}], got {n_workers!r}")
         if n_staging is None:
             n_staging = 2 * n_workers + 2 if n_workers else 1
         if not isinstance(n_staging, int) or n_staging < max(1, n_workers + 1):
@@ -95,11 +95,12 @@ class PoolConfig:
         if max_restarts_per_minute < 0:
             raise ValueError(
                 f"max_restarts_per_minute must be >= 0, got {max_restarts_per_minute}")
-        if sampler not in SAMPLERS:
+        if sampler not in SELECTIONS:
             raise ValueError(f"sampler must be 'uniform', 'prioritized' or 'queue', got {sampler!r}")
-        k = max_times_sampled
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"max_times_sampled must be a positive int, got {k!r}")
+        times = max_times_sampled
+        if times is not None and (isinstance(times, bool) or not isinstance(times, int)
+                                  or times < 1):
+            raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
         beta_schedule = _beta_schedule(beta)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
@@ -110,8 +111,8 @@ class PoolConfig:
             start_method=start_method, transform=transform, transform_spec=transform_spec,
             fields=fields, plan=plan, min_size=min_size, limit=limit, timeout=timeout,
             output=output, ordered=bool(ordered) or sampler == "queue", pin_memory=pin_memory,
-            max_restarts_per_minute=max_restarts_per_minute, sampler=sampler, alpha=alpha,
-            beta=beta_schedule, eps=eps, max_times_sampled=k, device=device,
+            max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
+            beta=beta_schedule, eps=eps, max_times_sampled=times, device=device,
             device_prefetch=device_prefetch,
         )
 
@@ -178,14 +179,15 @@ def _beta_schedule(beta: Any) -> Callable[[int], float]:
     if callable(beta):
         return beta
     if isinstance(beta, (tuple, list)):
-        start, end, n = beta
-        if n <= 0:
-            raise ValueError(f"beta schedule (start, end, n_batches) needs n_batches > 0, got {n}")
-        return lambda step: start + (end - start) * min(1.0, step / n)
-    b = float(beta)
-    if not 0 <= b <= 1:
+        start, end, n_batches = beta
+        if n_batches <= 0:
+            raise ValueError(
+                f"beta schedule (start, end, n_batches) needs n_batches > 0, got {n_batches}")
+        return lambda step: start + (end - start) * min(1.0, step / n_batches)
+    constant = float(beta)
+    if not 0 <= constant <= 1:
         raise ValueError(f"beta must be in [0, 1] (or a schedule), got {beta!r}")
-    return lambda step: b
+    return lambda step: constant
 
 
 def callable_name(fn: Any) -> str:

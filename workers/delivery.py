@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +19,14 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import ClosedError
-from shmbuf.priority import PriorityTable, importance_weights
+from shmbuf.priority import importance_weights
 
 from .batch import Batch
 from .config import PoolConfig
 from .device import Backend, DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
+from .selection import Selection
 from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
-from .supervise import ChildSet
+from .supervise import Child
 
 
 def device_backend(device: Any) -> Backend | None:
@@ -34,19 +36,42 @@ def device_backend(device: Any) -> Backend | None:
 
 @dataclass(frozen=True)
 class PoolParts:
-    """What a delivery works with; made (and closed) by ``SamplerPool``.
-
-    ``table``: priorities; workers draw from it unless ``select`` is set. ``select``: rows the
-    learner chooses itself (``CountedSelection`` or ``QueueSelection``), or None.
-    """
+    """What a delivery works with; made (and closed) by ``SamplerPool``."""
 
     buf: ReplayBuffer
     cfg: PoolConfig
     compiled: Any  # shmbuf's compiled plan for (cfg.plan, cfg.fields)
     out_arrays: list[tuple[str, tuple[int, ...], np.dtype]]
-    table: PriorityTable | None
-    select: Any
+    selection: Selection  # how rows are chosen: by workers, or by the learner
     backend: Backend | None
+
+
+class RecentBatches:
+    """The ``(indices array, lanes)`` of the last few weighted batches, so that
+    ``update_priorities(batch.indices, ...)`` finds the lanes by the array's identity."""
+
+    def __init__(self, n_lanes: int, keep: int = 8) -> None:
+        self.n_lanes = n_lanes
+        self.batches: collections.deque[tuple[Any, np.ndarray]] = collections.deque(maxlen=keep)
+
+    def add(self, indices: Any, lanes: np.ndarray) -> None:
+        self.batches.append((indices, lanes))
+
+    def clear(self) -> None:
+        self.batches.clear()
+
+    def lanes_of(self, indices: Any) -> int | np.ndarray:
+        """The lanes of the recent batch whose ``indices`` array this is (0 for a buffer of one
+        lane); ``ValueError`` if there is none."""
+        if self.n_lanes == 1:
+            return 0
+        # Newest first: a staging slot's indices array is the same object for every batch that
+        # slot carries, and only its latest batch's lanes are the right ones.
+        lanes = next((lanes for ref, lanes in reversed(self.batches) if ref is indices), None)
+        if lanes is None:
+            raise ValueError("pass lanes=batch.lanes: the buffer has several lanes and these "
+                             "indices are not the indices array of a recent batch")
+        return lanes
 
 
 class Delivery:
@@ -67,15 +92,15 @@ class Delivery:
         self.compiled, self.out_arrays = parts.compiled, parts.out_arrays
         self.batch_size = parts.cfg.batch_size
         self.out_fields = [name for name, _, _ in parts.out_arrays]
-        self.table, self.select = parts.table, parts.select
-        self.select_rng = np.random.default_rng(parts.cfg.seed.spawn(1)[0])
+        self.selection = parts.selection
+        self.weighted = parts.selection.table is not None  # batches carry importance weights
+        self.selection_rng = np.random.default_rng(parts.cfg.seed.spawn(1)[0])
         self.closing = False
         self.failure: BaseException | None = None
         self.views: list[dict[str, Any]] = []
         self.gen = [0] * parts.cfg.n_staging
         self.held: Batch | None = None
-        # (indices array, lanes) of recent batches: update_priorities finds a batch's lanes.
-        self.recent: collections.deque[tuple[Any, np.ndarray]] = collections.deque(maxlen=8)
+        self.recent = RecentBatches(parts.buf.lanes)  # update_priorities finds their lanes
         self.fences = SlotFences()  # staging slots still read by device copies or JAX arrays
         self.backend = parts.backend  # device runtime: for device=, and pinned host batches
         self.stage: DeviceStage | None = None
@@ -84,7 +109,6 @@ class Delivery:
         self.jax_fence: Any = None  # of the held batch's arrays
         self.pinned: Any = None  # (torch, pointer) of a page-locked staging ring
         self.occupancy_sum = 0.0  # ready slots seen by each next(), summed
-        self.children: ChildSet | None = None  # processes filling the slots, if any
 
     # -- the interface ----------------------------------------------------------------------------
     def next(self, timeout: float, step: int) -> Batch:
@@ -104,13 +128,24 @@ class Delivery:
     def ready_count(self) -> int:
         return 0
 
-    def workers(self) -> list[Any]:
-        """The processes that fill slots (``supervise.Child`` records), if any."""
-        return self.children.children if self.children is not None else []
+    def workers(self) -> Sequence[Child]:
+        """The processes that fill slots, if any."""
+        return ()
+
+    def stats(self, batches: int) -> dict[str, Any]:
+        """The staging ring's and the workers' part of ``SamplerPool.stats()``."""
+        ready = self.ready_count
+        return {
+            "staging_ready": ready,
+            "staging_occupancy": ready / self.cfg.n_staging,
+            "mean_staging_occupancy": self.occupancy_sum / max(batches, 1),
+            "restarts": self.restarts,
+            "workers": [],
+        }
 
     @property
     def restarts(self) -> int:
-        return self.children.restarts if self.children is not None else 0
+        return 0
 
     def selected_pending(self) -> int:
         """Batches of learner-selected rows handed out and not yet gathered."""
@@ -133,8 +168,6 @@ class Delivery:
     def wake(self) -> None:
         """``close()`` from any thread: end the learner's wait with ``ClosedError``."""
         self.closing = True
-        if self.children is not None:
-            self.children.wake()
 
     def check_open(self) -> None:
         if self.closing:
@@ -152,26 +185,27 @@ class Delivery:
     def take_slot(self, slot: int, step: int) -> dict[str, Any]:
         """The learner takes a ready slot: mark it HELD, fill in its importance weights."""
         self.mark_held(slot)
-        if self.table is not None:  # importance weights with this batch's beta
+        if self.weighted:  # importance weights with this batch's beta
             arrays = self.slot_arrays(slot)
             arrays[WEIGHTS][...] = importance_weights(arrays[PROBS], float(arrays[PMIN][0]),
                                                       self.cfg.beta(step))
         return self.views[slot]
 
     def hold(self, slot: int, step: int) -> Batch:
-        v = self.take_slot(slot, step)
+        views = self.take_slot(slot, step)
         if self.jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
-            v, fence = self.jax.wrap({**{n: v[n] for n in self.out_fields},
-                                     INDICES: v[INDICES], LANES: v[LANES], WEIGHTS: v[WEIGHTS]},
-                                     copy=self.copies_for_jax, host_keys=(INDICES, LANES))
+            views, fence = self.jax.wrap(
+                {**{n: views[n] for n in self.out_fields}, INDICES: views[INDICES],
+                 LANES: views[LANES], WEIGHTS: views[WEIGHTS]},
+                copy=self.copies_for_jax, host_keys=(INDICES, LANES))
             self.jax_fence = fence
         batch = Batch(
-            {n: v[n] for n in self.out_fields}, v[INDICES], v[LANES], v[WEIGHTS],
+            {n: views[n] for n in self.out_fields}, views[INDICES], views[LANES], views[WEIGHTS],
             self.release_batch, slot, self.gen[slot],
             to_fn=self.batch_to if self.cfg.output == "torch" else None,
         )
-        if self.table is not None:
-            self.recent.append((v[INDICES], np.array(v[LANES])))
+        if self.weighted:
+            self.recent.add(views[INDICES], np.array(views[LANES]))
         self.held = batch
         return batch
 
@@ -194,7 +228,7 @@ class Delivery:
     def batch_to(self, batch: Batch, device: Any) -> dict[str, Any]:
         """``Batch.to(device)``: fenced copies of a host batch (see ``Batch.to``)."""
         backend = self.backend
-        if backend is None or str(backend.device) != str(device):  # type: ignore[attr-defined]
+        if backend is None or str(backend.device) != str(device):
             backend = self.backends.get(str(device))
             if backend is None:
                 backend = self.backends[str(device)] = make_backend(device)
@@ -205,27 +239,29 @@ class Delivery:
                            host_keys=("indices", "lanes"))
 
     # -- device delivery --------------------------------------------------------------------------
-    def submit_slot(self, slot: int, step: int) -> None:
-        """Enqueue the copy of ``slot`` to a device buffer; fence the slot with it."""
-        v = self.take_slot(slot, step)
-        host = {n: v[n] for n in self.out_fields}
-        host[WEIGHTS] = v[WEIGHTS]
-        tag = (self.gen[slot], v[INDICES].clone(), v[LANES].clone())
+    def submit_slot(self, stage: DeviceStage, slot: int, step: int) -> None:
+        """Enqueue the copy of ``slot`` to a device buffer of ``stage`` (``self.stage``); fence
+        the slot with it."""
+        views = self.take_slot(slot, step)
+        host = {n: views[n] for n in self.out_fields}
+        host[WEIGHTS] = views[WEIGHTS]
+        tag = (self.gen[slot], views[INDICES].clone(), views[LANES].clone())
         try:
-            self.fences.add(slot, self.stage.submit(host, tag))  # type: ignore[union-attr]
+            self.fences.add(slot, stage.submit(host, tag))
         except BaseException:
             try:  # copies enqueued before the failure may still read the slot
-                self.fences.add(slot, self.stage.backend.record_copy())  # type: ignore[union-attr]
+                self.fences.add(slot, stage.backend.record_copy())
             finally:
                 self.slot_done(slot)
             raise
 
-    def hold_device(self) -> Batch:
-        d, arrays, (gen, indices, lanes) = self.stage.take()  # type: ignore[union-attr]
+    def hold_device(self, stage: DeviceStage) -> Batch:
+        """The learner takes the oldest device buffer of ``stage`` (``self.stage``)."""
+        index, arrays, (gen, indices, lanes) = stage.take()
         batch = Batch({n: arrays[n] for n in self.out_fields}, indices, lanes, arrays[WEIGHTS],
-                      self.release_device_batch, d, gen)
-        if self.table is not None:
-            self.recent.append((indices, lanes.numpy()))
+                      self.release_device_batch, index, gen)
+        if self.weighted:
+            self.recent.add(indices, lanes.numpy())
         self.held = batch
         return batch
 
@@ -233,7 +269,8 @@ class Delivery:
         if batch is not self.held:
             return
         self.held = None
-        self.stage.give_back(batch.slot)  # type: ignore[union-attr]
+        if self.stage is not None:  # else torn down: the device buffers are gone
+            self.stage.give_back(batch.slot)
 
     # -- views ------------------------------------------------------------------------------------
     def make_views(self, slots: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
@@ -318,4 +355,3 @@ class Delivery:
             torch.cuda.cudart().cudaHostUnregister(ptr)
             self.pinned = None
         self.views = []
-        self.table = self.select = None  # closed by the pool; they view the buffer

@@ -12,11 +12,12 @@ from shmbuf.errors import Timeout
 
 from .batch import Batch
 from .delivery import Delivery, PoolParts
-from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
+from .filler import Backoff, BatchFiller, Wait
+from .staging import WEIGHTS, slot_arrays, write_rows
 
 
 class InProcessDelivery(Delivery):
-    """One private slot (slot 0), filled by ``next()`` itself.
+    """One private slot (slot 0), filled by ``next()`` itself with the workers' ``BatchFiller``.
 
     Concurrency: this process only; the slot is refilled once the previous batch's device copies
     (``device=``, ``Batch.to``) have completed. Sampled rows are counted in the buffer's limiter
@@ -27,15 +28,13 @@ class InProcessDelivery(Delivery):
 
     def __init__(self, parts: PoolParts) -> None:
         super().__init__(parts)
-        cfg, compiled, b = parts.cfg, parts.compiled, parts.cfg.batch_size
-        self.local: dict[str, np.ndarray] = {n: np.empty((b, *s), d) for n, s, d in parts.out_arrays}
-        self.local.update({
-            INDICES: np.zeros((b, *compiled.index_shape), np.int64),
-            LANES: np.zeros(b, np.int64), WEIGHTS: np.ones(b, np.float32),
-            PROBS: np.zeros(b, np.float64), PMIN: np.zeros(1, np.float64),
-        })
-        # Without a transform rows are gathered straight into the slot; with one, into scratch.
-        self.scratch = compiled.allocate(b) if cfg.transform is not None else None
+        cfg, batch_size = parts.cfg, parts.cfg.batch_size
+        self.local = {name: np.zeros(shape, dtype) for name, shape, dtype
+                      in slot_arrays(parts.out_arrays, batch_size, parts.compiled.index_shape)}
+        self.local[WEIGHTS][...] = 1.0
+        self.filler = BatchFiller(
+            parts.buf, parts.compiled, [self.local], batch_size, self.out_fields, cfg.transform,
+            cfg.min_size, cfg.limit is not None, sampler=0, table=parts.selection.draws_from)
         self.rng = np.random.default_rng(cfg.seed)
 
     def start(self) -> None:
@@ -45,61 +44,45 @@ class InProcessDelivery(Delivery):
         return self.local
 
     def next(self, timeout: float, step: int) -> Batch:
-        buf, cfg = self.buf, self.cfg
         deadline = time.monotonic() + timeout
-        pause = 5e-5
-        limiter = buf.storage.limiter
-        target = self.local if cfg.transform is None else self.scratch
-        self._wait_local_copies(deadline, timeout)
-        out = {n: target[n] for n, _, _ in self.compiled.outputs}
-        while True:
-            rows = None
-            if self.select is not None:
-                rows = self.select.select(self.batch_size, self.select_rng) if self.may_select() else None
-                if rows is not None:
-                    if buf.storage.gather(rows[0], rows[1], out).all():
-                        self.select.gathered(0)  # in our memory now: writers may reuse slots
-                        break
-                    self.select.stale(rows)  # overwritten meanwhile: select again
-                    continue
-            elif limiter.can_sample(self.batch_size, cfg.min_size, cfg.limit is not None):
-                break
+
+        def wait(backoff: Backoff) -> None:
             now = time.monotonic()
             if now >= deadline:
                 raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 2e-3)
+            backoff.sleep(deadline - now)
             self.check_open()  # close() from another thread ends the wait
-        if rows is not None:
-            lanes, indices, probs, pmin = rows
+
+        self._wait_local_copies(deadline, timeout)
+        if self.selection.learner_selects:
+            self._select_and_gather(wait)
         else:
-            if self.table is not None:
-                draw = buf.sample_into(out, self.rng, sampler=self.table.draw)
-            else:
-                draw = buf.sample_into(out, self.rng, plan=self.compiled)
-            lanes, indices, probs, pmin = draw.lanes, draw.indices, draw.probs, draw.pmin
-        local = self.local
-        if cfg.transform is not None:
-            batch = dict(self.scratch)  # type: ignore[arg-type]
-            result = cfg.transform(batch)
-            result = batch if result is None else result
-            for name in self.out_fields:
-                np.copyto(local[name], np.asarray(result[name]), casting="same_kind")
-        local[INDICES][...] = indices
-        local[LANES][...] = lanes
-        if probs is not None:
-            local[PROBS][...], local[PMIN][0] = probs, pmin
-        if cfg.limit is not None:
-            limiter.record_samples(0, self.batch_size)
+            self.filler.wait_until_drawable(wait)
+            self.filler.draw(0, self.rng, wait)
         if self.stage is not None:
-            self.submit_slot(0, step)
-            return self.hold_device()
+            self.submit_slot(self.stage, 0, step)
+            return self.hold_device(self.stage)
         return self.hold(0, step)
+
+    def _select_and_gather(self, wait: Wait) -> None:
+        """Fill the slot with rows the selection chooses (``max_times_sampled``, the queue)."""
+        backoff = Backoff()
+        while True:
+            rows = (self.selection.select(self.batch_size, self.selection_rng)
+                    if self.may_select() else None)
+            if rows is None:
+                wait(backoff)
+                continue
+            write_rows(self.local, *rows)
+            if self.filler.gather(0):
+                self.selection.gathered(0)  # in our memory now: writers may reuse their slots
+                return
+            self.selection.stale(rows)  # overwritten meanwhile: select again
 
     def _wait_local_copies(self, deadline: float, timeout: float) -> None:
         """The slot is reused: gather again only after the copies that read the last batch
         (``device=``, ``Batch.to``) have completed."""
-        pause = 5e-5
+        backoff = Backoff(5e-5, 1e-3)
         while len(self.fences):
             self.fences.completed()
             if not len(self.fences):
@@ -107,10 +90,9 @@ class InProcessDelivery(Delivery):
             if time.monotonic() >= deadline:
                 raise Timeout(f"no batch within {timeout}s: device copies of the previous batch "
                               f"have not completed")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            backoff.sleep()
 
     def close(self, settled: bool, timeout: float) -> None:
         super().close(settled, timeout)
+        self.filler.close()
         self.local = {}
-        self.scratch = None

@@ -12,23 +12,15 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from shmbuf.errors import BufferInUseError, Timeout, WorkerDiedError, WorkerError
+from shmbuf.errors import BufferInUseError, ClosedError, Timeout, WorkerDiedError, WorkerError
 
 from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
 from .delivery import Delivery, PoolParts
+from .device import DeviceStage
 from .sampler_proc import OP_FILL, OP_GATHER, OP_READY, OP_STALE, SamplerConfig, sampler_main
-from .selection import QueueSelection
-from .staging import (
-    HELD,
-    INDICES,
-    LANES,
-    PMIN,
-    PROBS,
-    W_STATE,
-    WEIGHTS,
-    StagingRing,
-)
+from .selection import Rows
+from .staging import HELD, W_STATE, StagingRing, slot_arrays, write_rows
 from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
@@ -48,9 +40,12 @@ class _WorkerHandle(Child):
         # Told to fill, not reported ready yet; a dict for its order: after a death the lost
         # slots are handed out again in the order they were first assigned.
         self.assigned: dict[int, None] = {}
-        self.ready: collections.deque[int] = collections.deque()
         self.startup_failures = 0
         self.batches = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"id": self.wid, "pid": self.proc.pid if self.proc else None, "alive": self.alive,
+                "batches": self.batches}
 
 
 class RingDelivery(Delivery):
@@ -67,49 +62,66 @@ class RingDelivery(Delivery):
     def __init__(self, parts: PoolParts, ctx: Any) -> None:
         super().__init__(parts)
         self.ctx = ctx
-        self.ring: StagingRing | None = None
-        self.slot_rows: dict[int, Any] = {}  # learner-selected rows of each assigned slot
+        self.children: ChildSet[_WorkerHandle] = ChildSet(
+            ctx, sampler_main, "shmbuf-sampler", parts.cfg.max_restarts_per_minute)
+        self.ring: StagingRing | None = None  # None until started, and once closed
+        self.slot_rows: dict[int, Rows] = {}  # learner-selected rows of each assigned slot
         self.waiting: list[int] = []  # slots with no rows to select yet
-        self.ready: collections.deque[tuple[int, int]] = collections.deque()  # (wid, slot)
+        self.ready: collections.deque[int] = collections.deque()  # filled slots, as they came
         self.order: collections.deque[int] = collections.deque()  # slots in assignment order
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
         half-done start with ``stop`` and ``close``)."""
         cfg, b = self.cfg, self.batch_size
-        arrays = [(n, (b, *s), d) for n, s, d in self.out_arrays]
-        arrays += [(INDICES, (b, *self.compiled.index_shape), np.int64),
-                   (LANES, (b,), np.int64), (WEIGHTS, (b,), np.float32),
-                   (PROBS, (b,), np.float64), (PMIN, (1,), np.float64)]
+        arrays = slot_arrays(self.out_arrays, b, self.compiled.index_shape)
         ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
                                               {"buffer": self.buf.name, "batch_size": b})
-        for s in range(cfg.n_staging):
-            ring.slot(s)[WEIGHTS][...] = 1.0
         worker_cfg = SamplerConfig(
             buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
             out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
             rate_limited=cfg.limit is not None, plan=self.compiled.plan,
-            priority_table=(self.table.name if self.table is not None and self.select is None
-                            else None),
+            priority_table=table.name if (table := self.selection.draws_from) else None,
         )
         self.cfg_bytes = cloudpickle.dumps(worker_cfg)
         self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
-        self.children = ChildSet(self.ctx, sampler_main, "shmbuf-sampler",
-                                 cfg.max_restarts_per_minute)
-        n = cfg.n_workers
-        for wid, seed in enumerate(cfg.seed.spawn(n)):
-            self._start_worker(_WorkerHandle(wid, list(range(wid, cfg.n_staging, n))), seed, [])
-        # Slots in order, so worker s % n gets slot s: the same round-robin that ordered
-        # delivery follows, so batches leave in the order they were assigned.
+        n_workers = cfg.n_workers
+        for wid, seed in enumerate(cfg.seed.spawn(n_workers)):
+            slots = list(range(wid, cfg.n_staging, n_workers))
+            self._start_worker(_WorkerHandle(wid, slots), seed, [])
+        # Slots in order, so worker s % n_workers gets slot s: the same round-robin that
+        # ordered delivery follows, so batches leave in the order they were assigned.
         for slot in range(cfg.n_staging):
-            self._assign(self.workers()[slot % n], slot)
+            self._assign(self._worker_of(slot), slot)
 
     # -- the interface ----------------------------------------------------------------------------
+    def _live_ring(self) -> StagingRing:
+        if self.ring is None:
+            raise ClosedError("the SamplerPool is closed")
+        return self.ring
+
     def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
-        return self.ring.slot(slot)  # type: ignore[union-attr]
+        return self._live_ring().slot(slot)
 
     def mark_held(self, slot: int) -> None:
-        self.ring.set(slot, W_STATE, HELD)  # type: ignore[union-attr]
+        self._live_ring().set(slot, W_STATE, HELD)
+
+    def workers(self) -> list[_WorkerHandle]:
+        return self.children.children
+
+    def _worker_of(self, slot: int) -> _WorkerHandle:
+        return self.children.children[slot % self.cfg.n_workers]
+
+    @property
+    def restarts(self) -> int:
+        return self.children.restarts
+
+    def wake(self) -> None:
+        super().wake()
+        self.children.wake()
+
+    def stats(self, batches: int) -> dict[str, Any]:
+        return {**super().stats(batches), "workers": [w.stats() for w in self.workers()]}
 
     @property
     def ready_count(self) -> int:
@@ -119,8 +131,9 @@ class RingDelivery(Delivery):
         return sum(len(w.assigned) for w in self.workers())
 
     def shared_memory(self) -> tuple[Any, int, int] | None:
-        offset, length = self.ring.slot_span()  # type: ignore[union-attr]
-        return self.ring.seg.buf, offset, length  # type: ignore[union-attr]
+        ring = self._live_ring()
+        offset, length = ring.slot_span()
+        return ring.seg.buf, offset, length
 
     # -- taking batches ---------------------------------------------------------------------------
     def next(self, timeout: float, step: int) -> Batch:
@@ -131,46 +144,36 @@ class RingDelivery(Delivery):
                 raise self.failure
             self._reap_fences()
             if self.stage is not None:
-                self._submit_ready(step)
+                self._submit_ready(self.stage, step)
                 if len(self.stage):
-                    return self.hold_device()
+                    return self.hold_device(self.stage)
             else:
                 slot = self._pop_ready()
                 if slot is not None:
                     return self.hold(slot, step)
             if self.waiting:
                 self._retry_waiting()
-            if self.table is not None and self.select is None:
-                self.table.sync(self.buf)  # workers may be waiting for rows to enter
+            self.selection.enter_new_rows()  # workers may be waiting for rows to enter
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
-            quick = self.waiting or self.table is not None
+            quick = self.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
             self._poll(min(remaining, pause))
 
     def _pop_ready(self) -> int | None:
         if self.cfg.ordered:  # the oldest assignment first, once it is ready
-            if not self.order:
+            if not self.order or self.order[0] not in self.ready:
                 return None
-            slot = self.order[0]
-            w = self.workers()[slot % self.cfg.n_workers]
-            if slot not in w.ready:
-                return None
-            self.order.popleft()
-            w.ready.remove(slot)
-            self.ready.remove((w.wid, slot))
+            slot = self.order.popleft()
+            self.ready.remove(slot)
             return slot
-        if not self.ready:
-            return None
-        wid, slot = self.ready.popleft()
-        self.workers()[wid].ready.remove(slot)
-        return slot
+        return self.ready.popleft() if self.ready else None
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
-        woken, messages, exits = self.children.wait(timeout)  # type: ignore[union-attr]
+        woken, messages, exits = self.children.wait(timeout)
         if woken:
             # Only close() writes the wake pipe, and it may be closing the pipe right now
             # in another thread: do not read it, just report the close.
@@ -181,14 +184,14 @@ class RingDelivery(Delivery):
         for w in exits:
             self._on_exit(w)
 
-    def _submit_ready(self, step: int) -> None:
+    def _submit_ready(self, stage: DeviceStage, step: int) -> None:
         """Copy ready slots to the device while device buffers are free; each slot goes back to
         the workers once its copy has completed."""
-        while self.stage.can_submit():  # type: ignore[union-attr]
+        while stage.can_submit():
             slot = self._pop_ready()
             if slot is None:
                 return
-            self.submit_slot(slot, step)
+            self.submit_slot(stage, slot, step)
             self.slot_done(slot)
 
     # -- giving slots back ------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class RingDelivery(Delivery):
         if self.closing or self.ring is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
-            self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+            self._assign(self._worker_of(slot), slot)
 
     def _reap_fences(self) -> None:
         """Hand back to the workers every slot whose device copies have completed."""
@@ -206,7 +209,7 @@ class RingDelivery(Delivery):
             return
         for slot in self.fences.completed(in_order=self.cfg.ordered):
             if not self.closing and self.ring is not None and self.failure is None:
-                self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+                self._assign(self._worker_of(slot), slot)
 
     def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
         """Hand ``slot`` to ``w``: to sample (``FILL``), or with learner-selected rows written
@@ -215,10 +218,10 @@ class RingDelivery(Delivery):
         ring = self.ring
         assert ring is not None
         op = OP_FILL
-        if self.select is not None:
+        if self.selection.learner_selects:
             rows = self.slot_rows.get(slot)
             if rows is None:
-                rows = (self.select.select(self.batch_size, self.select_rng)
+                rows = (self.selection.select(self.batch_size, self.selection_rng)
                         if self.may_select() else None)
                 if rows is None:  # nothing to select now: retried from next()
                     ring.free(slot)
@@ -227,12 +230,8 @@ class RingDelivery(Delivery):
                         self.order.remove(slot)
                     return
                 self.slot_rows[slot] = rows
-                if isinstance(self.select, QueueSelection):
-                    self.select.track(slot, rows)
-            v = ring.slot(slot)
-            v[LANES][...], v[INDICES][...] = rows[0], rows[1]
-            if rows[2] is not None:
-                v[PROBS][...], v[PMIN][0] = rows[2], rows[3]
+                self.selection.track(slot, rows)
+            write_rows(ring.slot(slot), *rows)
             op = OP_GATHER
         self.gen[slot] += 1
         ring.assign(slot, w.wid, self.gen[slot])
@@ -240,14 +239,14 @@ class RingDelivery(Delivery):
         if requeue and self.cfg.ordered:
             self.order.append(slot)  # (a slot handed out again keeps its place)
         try:
-            w.chan.send(op, slot, self.gen[slot])  # type: ignore[union-attr]
+            w.send(op, slot, self.gen[slot])
         except OSError:
             pass  # it died; its sentinel will say so and the slot is reclaimed then
 
     def _retry_waiting(self) -> None:
         for slot in self.waiting[:]:
             self.waiting.remove(slot)
-            self._assign(self.workers()[slot % self.cfg.n_workers], slot)
+            self._assign(self._worker_of(slot), slot)
             if self.waiting and self.waiting[-1] == slot:
                 break  # still nothing to select; the others would find nothing either
 
@@ -255,28 +254,25 @@ class RingDelivery(Delivery):
     def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
                       fill: list[int]) -> None:
         """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
-        self.children.start(w, self.cfg_bytes, w.wid, seed)  # type: ignore[union-attr]
+        self.children.start(w, self.cfg_bytes, w.wid, seed)
         w.hello = False
         for s in fill:
             self._assign(w, s, requeue=False)
 
     def _receive(self, w: _WorkerHandle) -> None:
         """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
-        msgs, _ = w.chan.receive()  # type: ignore[union-attr]
-        for op, slot, gen, text in msgs:
+        for op, slot, gen, text in w.receive():
             if op == OP_READY:
                 if slot in w.assigned and gen == self.gen[slot]:
                     w.assigned.pop(slot, None)
-                    w.ready.append(slot)
-                    self.ready.append((w.wid, slot))
+                    self.ready.append(slot)
                     w.batches += 1
-                    if self.select is not None:
-                        self.select.gathered(slot)
+                    self.selection.gathered(slot)
             elif op == OP_STALE:  # learner-selected rows were overwritten before the gather
                 if slot in w.assigned and gen == self.gen[slot]:
                     w.assigned.pop(slot, None)
-                    self.select.stale(self.slot_rows.pop(slot))
-                    self.select.gathered(slot)
+                    self.selection.stale(self.slot_rows.pop(slot))
+                    self.selection.gathered(slot)
                     self._assign(w, slot, requeue=False)
             elif op == OP_HELLO:
                 w.hello = True
@@ -292,8 +288,7 @@ class RingDelivery(Delivery):
         self._receive(w)
         if self.failure is not None:
             return
-        children, ring = self.children, self.ring
-        assert children is not None and ring is not None
+        children, ring = self.children, self._live_ring()
         children.retire(w)
         pid, how = w.proc.pid, w.describe_exit()
         lost = list(w.assigned)
@@ -326,8 +321,7 @@ class RingDelivery(Delivery):
 
     # -- teardown ---------------------------------------------------------------------------------
     def stop(self, timeout: float) -> None:
-        if self.children is not None:
-            self.children.stop(timeout)
+        self.children.stop(timeout)
 
     def close(self, settled: bool, timeout: float) -> None:
         """Unpin and drop the ring; if device copies may still read it, keep it mapped."""
@@ -342,8 +336,7 @@ class RingDelivery(Delivery):
             except BufferInUseError as e:
                 warnings.warn(str(e), ResourceWarning, stacklevel=4)
             self.ring = None
-        if self.children is not None:
-            self.children.close()
+        self.children.close()
 
 
 def _keep_mapped(ring: StagingRing, timeout: float) -> None:

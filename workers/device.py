@@ -138,8 +138,8 @@ class TorchBackend:
         self._events: list[Any] = []  # recycled events (recording again is allowed once passed)
 
     def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        t = self.torch
-        return t.empty(shape, dtype=_torch_dtype(t, dtype), device=self.device)
+        torch = self.torch
+        return torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=self.device)
 
     def copy(self, dst: Any, src: Any) -> None:
         if self.cuda:
@@ -163,11 +163,17 @@ class TorchBackend:
 
     def copy_waits_for(self, fence: Fence) -> None:
         if self.cuda and fence is not DONE:
-            self.stream.wait_event(fence)
+            self.stream.wait_event(self._recorded(fence))
 
     def current_waits_for(self, fence: Fence) -> None:
         if self.cuda and fence is not DONE:
-            self.torch.cuda.current_stream(self.device).wait_event(fence)
+            self.torch.cuda.current_stream(self.device).wait_event(self._recorded(fence))
+
+    def _recorded(self, fence: Fence) -> Any:
+        """``fence`` as the CUDA event it is: this backend waits only for fences it recorded."""
+        if not isinstance(fence, self.torch.cuda.Event):
+            raise TypeError(f"a CUDA stream can wait only for a CUDA event, got {fence!r}")
+        return fence
 
     def copy_now(self, src: Any) -> Any:
         return src.to(self.device, non_blocking=self.cuda)
@@ -235,8 +241,8 @@ class DeviceStage:
         self.backend = backend
         self.depth = depth
         # depth buffers in flight plus the one the learner holds.
-        self._bufs = [{n: backend.alloc(tuple(s), np.dtype(d)) for n, s, d in arrays}
-                      for _ in range(depth + 1)]
+        self._bufs = [{name: backend.alloc(tuple(shape), np.dtype(dtype))
+                       for name, shape, dtype in arrays} for _ in range(depth + 1)]
         self._free: collections.deque[int] = collections.deque(range(depth + 1))
         self._reuse: list[Fence] = [DONE] * (depth + 1)
         self._inflight: collections.deque[tuple[int, Fence, Any]] = collections.deque()
@@ -250,30 +256,31 @@ class DeviceStage:
 
     def submit(self, host: dict[str, Any], tag: Any = None) -> Fence:
         """Copy ``host`` (name -> host tensor, all of the buffer's arrays) into a free buffer."""
-        d = self._free.popleft()
-        be = self.backend
+        index = self._free.popleft()
+        backend = self.backend
         try:
-            be.copy_waits_for(self._reuse[d])
-            dst = self._bufs[d]
+            backend.copy_waits_for(self._reuse[index])
+            dst = self._bufs[index]
             for name, src in host.items():
-                be.copy(dst[name], src)
+                backend.copy(dst[name], src)
         except BaseException:
-            self._free.appendleft(d)  # the caller fences the source with record_copy()
+            self._free.appendleft(index)  # the caller fences the source with record_copy()
             raise
-        fence = be.record_copy()
-        self._inflight.append((d, fence, tag))
+        fence = backend.record_copy()
+        self._inflight.append((index, fence, tag))
         return fence
 
     def take(self) -> tuple[int, dict[str, Any], Any]:
         """The oldest submitted buffer: (id, name -> device tensor, tag); the learner's stream
         waits for its copy on the device, the host does not."""
-        d, fence, tag = self._inflight.popleft()
+        index, fence, tag = self._inflight.popleft()
         self.backend.current_waits_for(fence)
-        return d, self._bufs[d], tag
+        return index, self._bufs[index], tag
 
-    def give_back(self, d: int) -> None:
-        self._reuse[d] = self.backend.record_current()
-        self._free.append(d)
+    def give_back(self, index: int) -> None:
+        """The learner is done with buffer ``index``: reusable once its stream passed here."""
+        self._reuse[index] = self.backend.record_current()
+        self._free.append(index)
 
     def drain(self, timeout: float) -> bool:
         """Wait for every copy in flight (teardown); True if all completed in time."""

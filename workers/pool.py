@@ -19,6 +19,7 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
+from shmbuf.segment import Lease
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
 
@@ -27,7 +28,8 @@ from .config import PoolConfig
 from .delivery import Delivery, PoolParts, device_backend
 from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
-from .selection import CountedSelection, QueueSelection
+from .device import Backend
+from .selection import Selection, UniformSelection, open_selection, selection_kind
 from .supervise import forget, parent_only
 
 
@@ -125,11 +127,10 @@ class SamplerPool:
     ) -> None:
         self._closed = True  # until construction succeeds
         self._own_buffer = not isinstance(buffer, ReplayBuffer)
-        self._buf = ReplayBuffer.attach(buffer) if self._own_buffer else buffer
+        self._buf = buffer if isinstance(buffer, ReplayBuffer) else ReplayBuffer.attach(buffer)
         self._delivery: Delivery | None = None
-        self._table: PriorityTable | None = None
-        self._select: CountedSelection | QueueSelection | None = None
-        self._limiter_lease: Any = None
+        self._selection: Selection = UniformSelection()
+        self._limit = LimiterHold(self._buf)  # the rate limiter's lock, if the pool takes it
         try:
             cfg = self._config = PoolConfig.from_args(
                 batch_size=batch_size, n_workers=n_workers, n_staging=n_staging, seed=seed,
@@ -151,66 +152,31 @@ class SamplerPool:
             raise
 
     # -- construction -------------------------------------------------------------------------
-    def _open(self, cfg: PoolConfig, backend: Any) -> None:
+    def _open(self, cfg: PoolConfig, backend: Backend | None) -> None:
         buf = self._buf
         ctx = multiprocess.get_context(cfg.start_method)
         self.start_method = ctx.get_start_method()
-        self._compiled = buf.compile(cfg.plan, cfg.fields)
-        self._open_selection(cfg)
-        out_arrays = cfg.output_arrays(self._compiled)
-        if cfg.limit is not None:
-            self._take_limiter(cfg)
-        parts = PoolParts(buf, cfg, self._compiled, out_arrays, self._table, self._select,
+        compiled = buf.compile(cfg.plan, cfg.fields)
+        kind = selection_kind(cfg, compiled)
+        if cfg.limit is not None or kind.rate_limits:
+            self._limit.take(cfg)
+        self._selection = open_selection(kind, buf, cfg)
+        parts = PoolParts(buf, cfg, compiled, cfg.output_arrays(compiled), self._selection,
                           backend)
-        delivery: Any = RingDelivery(parts, ctx) if cfg.n_workers else InProcessDelivery(parts)
-        self._delivery = delivery
+        delivery = self._delivery = (RingDelivery(parts, ctx) if cfg.n_workers
+                                     else InProcessDelivery(parts))
         parent_only(self)
+        self._limit.count_inserts_from_now()
         self._started = time.monotonic()
-        if self._limiter_lease is None:  # else counted from the limiter's own origin
-            self._committed0 = int(buf.committed().sum())
         self._batches = 0
         self._wait_s = 0.0
         delivery.start()
         self._closed = False
 
-    def _open_selection(self, cfg: PoolConfig) -> None:
-        buf, k = self._buf, cfg.max_times_sampled
-        if cfg.sampler == "uniform" and k is None:
-            return
-        compiled = self._compiled
-        if not compiled.plan.is_plain or compiled.derived_next_obs:
-            raise ValueError(
-                f"sampler={cfg.sampler!r} and max_times_sampled draw single stored transitions; "
-                f"sequence, frame-stack and n-step plans (and derived next_obs) sample uniformly"
-            )
-        if cfg.sampler == "queue":
-            if k not in (None, 1):
-                raise ValueError("sampler='queue' delivers each transition exactly once; drop "
-                                 f"max_times_sampled={k}")
-            if cfg.limit is not None:
-                raise ValueError("sampler='queue' is its own rate limiter (writers wait while the "
-                                 "queue is full): drop samples_per_insert")
-            self._take_limiter(cfg, configure=False)
-            self._select = QueueSelection(buf)
-            return
-        self._table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
-        if k is not None:
-            self._select = CountedSelection(buf, self._table, k,
-                                            uniform=(cfg.sampler == "uniform"))
-
-    def _take_limiter(self, cfg: PoolConfig, configure: bool = True) -> None:
-        buf = self._buf
-        self._limiter_lease = buf.storage.limiter.take()
-        if not configure:  # queue mode: no ratio; stats count inserts from now
-            self._committed0 = int(buf.committed().sum())
-            return
-        assert cfg.limit is not None
-        credit = min(len(buf), cfg.limit.min_size)
-        # stats() counts inserts from the very total the limiter counts from: rows written
-        # between here and the end of the constructor count for both, or the reported ratio
-        # drifts from the enforced one.
-        self._committed0 = buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers),
-                                                         credit=credit)
+    @property
+    def _table(self) -> PriorityTable | None:
+        """The priorities behind the draws, if any (tests read it)."""
+        return self._selection.table
 
     # -- learner side ------------------------------------------------------------------------------------
     def __iter__(self) -> SamplerPool:
@@ -233,11 +199,10 @@ class SamplerPool:
         self._check_open()
         timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
-        assert delivery is not None
+        assert delivery is not None  # set by the constructor, and the pool is open
         if delivery.held is not None:
             delivery.held.release()
-        if self._table is not None and self._select is None:
-            self._table.sync(self._buf)  # new rows enter at the maximum priority
+        self._selection.enter_new_rows()
         t0 = time.perf_counter()
         try:
             batch = delivery.next(timeout, self._batches)
@@ -266,66 +231,38 @@ class SamplerPool:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing applied).
         """
         self._check_open()
-        if self._table is None or self._config.sampler != "prioritized":
+        if not self._selection.prioritized:
             raise ShmbufError(
                 "update_priorities() needs a prioritized pool: SamplerPool(..., "
                 "sampler='prioritized')"
             )
-        if lanes is None:
-            if self._buf.lanes == 1:
-                lanes = 0
-            else:
-                # Newest first: a staging slot's indices array is the same object for every
-                # batch that slot carries, and only its latest batch's lanes are the right ones.
-                lanes = next((ln for ref, ln in reversed(self._delivery.recent) if ref is indices),
-                             None)
-                if lanes is None:
-                    raise ValueError(
-                        "pass lanes=batch.lanes: the buffer has several lanes and these indices "
-                        "are not the indices array of a recent batch"
-                    )
+        if lanes is None and self._delivery is not None:
+            lanes = self._delivery.recent.lanes_of(indices)
         indices, priorities = _host_array(indices), _host_array(priorities)
         lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
-        # Enter rows committed since the last batch first: an update for a row overwritten
-        # since it was sampled is then recognised (by its slot's generation) and dropped.
-        if self._select is not None:  # max_times_sampled: a retired row stays retired
-            self._select.sync()
-            return self._select.update(lanes, indices, priorities)
-        self._table.sync(self._buf)
-        return self._table.update(lanes, indices, priorities)
+        return self._selection.update(lanes, indices, priorities)
 
     # -- stats ------------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Batches/s, actual samples per insert, staging occupancy, learner wait, restarts."""
         delivery = self._delivery
-        assert delivery is not None
+        assert delivery is not None  # set by the constructor
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        inserts = int(self._buf.committed().sum()) - self._committed0
-        samples = self._batches * self.batch_size
-        if self._config.limit is not None and not self._closed:
-            limiter = self._buf.storage.limiter.stats()
-            if limiter["active"]:
-                samples = limiter["samples"]
-        ready = delivery.ready_count
+        inserts = self._limit.inserts()
+        samples = self._limit.samples() if not self._closed else None
+        if samples is None:
+            samples = self._batches * self.batch_size
+        table = self._selection.table
         return {
             "batches": self._batches,
             "batches_per_s": self._batches / elapsed,
             "samples_per_insert": samples / inserts if inserts > 0 else math.inf,
             "inserts_per_s": inserts / elapsed,
-            "staging_ready": ready,
-            "staging_occupancy": ready / self.n_staging,
-            "mean_staging_occupancy": delivery.occupancy_sum / max(self._batches, 1),
             "learner_wait_s": self._wait_s,
             "learner_wait_frac": self._wait_s / elapsed,
-            "restarts": delivery.restarts,
-            "priority_updates_dropped": (self._table.updates_dropped
-                                         if self._table is not None else 0),
+            "priority_updates_dropped": table.updates_dropped if table is not None else 0,
             "elapsed_s": elapsed,
-            "workers": [
-                {"id": w.wid, "pid": w.proc.pid if w.proc else None, "alive": w.alive,
-                 "batches": w.batches}
-                for w in delivery.workers()
-            ],
+            **delivery.stats(self._batches),  # staging occupancy, restarts, workers
         }
 
     @property
@@ -365,17 +302,8 @@ class SamplerPool:
             delivery.closing = True
             delivery.release_held()
             delivery.stop(timeout)
-        if self._select is not None and not self._buf.closed:
-            self._select.close()
-        self._select = None
-        if self._table is not None:
-            self._table.close()
-            self._table = None
-        if self._limiter_lease is not None:
-            if not self._buf.closed:
-                self._buf.storage.limiter.deactivate()
-            self._limiter_lease.close()
-            self._limiter_lease = None
+        self._selection.close()
+        self._limit.release()
         if delivery is not None:
             # Device copies may still read the staging memory: unmapping (or unpinning) it
             # under a DMA would hand the device freed memory. Wait for them, within the timeout.
@@ -404,6 +332,63 @@ class SamplerPool:
                 self.close(timeout=1.0)
             except Exception:
                 pass
+
+
+class LimiterHold:
+    """A pool's hold on its buffer's rate limiter (``LOCK_LIMITER``), and the pool's insert count.
+
+    Concurrency: only the holder of ``LOCK_LIMITER`` writes the limiter's configuration; the
+    lock is a lease on the buffer's segment, so a pool that dies lets it go with its process.
+    """
+
+    def __init__(self, buf: ReplayBuffer) -> None:
+        self.buf = buf
+        self.lease: Lease | None = None
+        self.configured = False
+        self.inserts_origin = 0  # stats count inserts from here
+
+    def count_inserts_from_now(self) -> None:
+        """Without the lock, the pool counts inserts from its start (with it, from the
+        limiter's own origin)."""
+        if self.lease is None:
+            self.inserts_origin = self._total_committed()
+
+    def take(self, cfg: PoolConfig) -> None:
+        """Take the lock (``ShmbufError`` if another pool holds it); with
+        ``samples_per_insert``, configure the limiter for this pool."""
+        buf = self.buf
+        self.lease = buf.storage.limiter.take()
+        self.inserts_origin = self._total_committed()
+        if cfg.limit is None:  # the queue: no ratio; stats count inserts from now
+            return
+        credit = min(len(buf), cfg.limit.min_size)
+        # stats() counts inserts from the very total the limiter counts from: rows written
+        # between here and the end of the constructor count for both, or the reported ratio
+        # drifts from the enforced one.
+        self.inserts_origin = buf.storage.limiter.configure(cfg.limit, max(1, cfg.n_workers),
+                                                            credit=credit)
+        self.configured = True
+
+    def _total_committed(self) -> int:
+        return int(np.sum(self.buf.committed()))  # ClosedError once the buffer is closed
+
+    def inserts(self) -> int:
+        return self._total_committed() - self.inserts_origin
+
+    def samples(self) -> int | None:
+        """Rows the limiter counted as sampled (None when it counts none)."""
+        if not self.configured:
+            return None
+        limiter = self.buf.storage.limiter.stats()
+        return limiter["samples"] if limiter["active"] else None
+
+    def release(self) -> None:
+        """Lift the limit and let the lock go. Idempotent."""
+        if self.lease is not None:
+            if not self.buf.closed:
+                self.buf.storage.limiter.deactivate()
+            self.lease.close()
+            self.lease = None
 
 
 def _host_array(value: Any) -> Any:

@@ -1,11 +1,12 @@
-"""Learner-side selection: which rows a batch holds, decided centrally when it must be exact.
+"""Selection: which rows a batch holds, behind one interface (the ``sampler=`` of ``SamplerPool``).
 
-``max_times_sampled=k`` and queue mode need every draw counted exactly once, so the learner
-(the single writer of the counts, the priority table and the queue cursors) picks the rows and
-writes them into the staging slot; a worker only gathers them. Plain uniform and prioritized
-sampling need no such bookkeeping and stay entirely in the workers. The pool asks for a batch
-only when ``min_size`` and ``samples_per_insert`` allow one (``Delivery.may_select``, through
-``Limiter.can_sample``), as workers check before they draw.
+Workers draw their own rows for ``UniformSelection`` and ``PrioritizedSelection`` (from a
+``PriorityTable`` the learner keeps). ``max_times_sampled=k`` and the queue need every draw
+counted exactly once, so for ``CountedSelection`` and ``QueueSelection`` the learner (the single
+writer of the counts, the priority table and the queue cursors) picks the rows and writes them
+into the staging slot; a worker only gathers them. The pool asks for a batch only when
+``min_size`` and ``samples_per_insert`` allow one (``Delivery.may_select``), as workers check
+before they draw.
 
 - ``CountedSelection``: draws from a ``PriorityTable`` (uniform: every live row 1.0), counts each
   row's deliveries, and retires a row (priority 0) when it reaches ``k``. A row is never
@@ -17,107 +18,192 @@ only when ``min_size`` and ``samples_per_insert`` allow one (``Delivery.may_sele
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from shmbuf import layout as L
+from shmbuf import ReplayBuffer
 from shmbuf.errors import EmptyBufferError
+from shmbuf.layout import LANE_RELEASED
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling import sumtree
 
-Rows = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]  # lanes, indices, probs, pmin
+from .config import PoolConfig
+
+# Rows a learner-side selection chose: (lanes, indices, probabilities or None, smallest
+# probability overall).
+Rows = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
+SELECT_ROUNDS = 64  # draws CountedSelection makes for one batch before it gives up for now
+
+
+class Selection:
+    """How the rows of each batch are chosen; one instance per pool, in the learner.
+
+    ``learner_selects``: the learner chooses rows (``select``) and workers gather them; else the
+    workers draw, in proportion to ``draws_from`` when it is set. ``table``: the priorities
+    behind the draws, if any; batches then carry importance weights.
+
+    Concurrency: learner thread only. The learner is the only writer of ``table``; workers
+    attach it by name and only read it.
+    """
+
+    learner_selects: ClassVar[bool] = False
+    prioritized = False  # takes new priorities (``update``)
+    rate_limits: ClassVar[bool] = False  # paces writers itself: holds the buffer's limiter lock
+    table: PriorityTable | None = None
+
+    @property
+    def draws_from(self) -> PriorityTable | None:
+        """The priority table workers draw from (None: uniform draws, or learner-chosen rows)."""
+        return None
+
+    def enter_new_rows(self) -> None:
+        """Before a batch: rows committed since enter the table workers draw from."""
+
+    def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
+        """``batch_size`` rows, or None if that many cannot be chosen now (nothing is spent)."""
+        raise NotImplementedError(f"{type(self).__name__}: workers draw their own rows")
+
+    def track(self, slot: int, rows: Rows) -> None:
+        """``rows`` were written into staging ``slot`` for a worker to gather."""
+
+    def gathered(self, slot: int) -> None:
+        """The rows of ``slot`` are in staging now."""
+
+    def stale(self, rows: Rows) -> None:
+        """Rows overwritten before a worker gathered them."""
+
+    def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
+        """New priorities for delivered rows (``SamplerPool.update_priorities``); only where
+        ``prioritized``. Returns how many were applied."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no priorities")
+
+    def close(self) -> None:
+        """Close the table (the pool's teardown). Idempotent."""
+        if self.table is not None:
+            self.table.close()
+
+
+class UniformSelection(Selection):
+    """Workers draw uniformly (or per the plan: sequences, frame stacks, n-step)."""
+
+
+class PrioritizedSelection(Selection):
+    """Workers draw in proportion to priorities kept by the learner in a shared ``table``."""
+
+    table: PriorityTable
+    prioritized = True
+
+    def __init__(self, buf: ReplayBuffer, table: PriorityTable) -> None:
+        self.buf, self.table = buf, table
+
+    @property
+    def draws_from(self) -> PriorityTable | None:
+        return self.table
+
+    def enter_new_rows(self) -> None:
+        self.table.sync(self.buf)  # new rows enter at the maximum priority
+
+    def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
+        # Enter rows committed since the last batch first: an update for a row overwritten
+        # since it was sampled is then recognised (by its slot's generation) and dropped.
+        self.table.sync(self.buf)
+        return self.table.update(lanes, indices, priorities)
 
 
 def _rank_among_equal(values: np.ndarray) -> np.ndarray:
     """For each position, how many earlier positions hold the same value."""
     order = np.argsort(values, kind="stable")
-    v = values[order]
-    starts = np.r_[True, v[1:] != v[:-1]] if v.size else np.zeros(0, bool)
-    pos = np.arange(v.size)
-    run_start = np.maximum.accumulate(np.where(starts, pos, 0))
-    rank = np.empty(v.size, np.int64)
-    rank[order] = pos - run_start
+    ordered = values[order]
+    starts = np.r_[True, ordered[1:] != ordered[:-1]] if ordered.size else np.zeros(0, bool)
+    position = np.arange(ordered.size)
+    run_start = np.maximum.accumulate(np.where(starts, position, 0))
+    rank = np.empty(ordered.size, np.int64)
+    rank[order] = position - run_start
     return rank
 
 
-class CountedSelection:
+def _uses(chosen: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """How often each of ``slots`` occurs in the sorted array ``chosen``."""
+    return np.searchsorted(chosen, slots, "right") - np.searchsorted(chosen, slots, "left")
+
+
+class CountedSelection(Selection):
     """Rows drawn from ``table`` (proportionally), each at most ``k`` times in all."""
 
-    def __init__(self, buf: Any, table: PriorityTable, k: int, uniform: bool) -> None:
-        self.buf, self.table, self.k = buf, table, int(k)
-        self.initial = 1.0 if uniform else None
+    learner_selects = True
+    table: PriorityTable
+
+    def __init__(self, buf: ReplayBuffer, table: PriorityTable, k: int, uniform: bool) -> None:
+        self.buf, self.table, self.max_times = buf, table, int(k)
+        self.prioritized = not uniform
+        self.initial = None if self.prioritized else 1.0  # priority of a new row
         self.counts = np.zeros(buf.lanes * buf.capacity, np.int32)  # this process's own memory
-        self.rounds = 64
 
     def sync(self) -> None:
-        t = self.table
-        before = t.synced.copy()
-        if t.sync(self.buf, self.initial):
-            C = self.buf.capacity
-            for k in np.flatnonzero(t.synced > before):  # reset counts of newly entered rows
-                first = max(int(before[k]), int(t.synced[k]) - C)
-                idx = np.arange(first, t.synced[k]) % C
-                self.counts[k * C + idx] = 0
+        """Enter new rows into the table and reset their slots' counts."""
+        table = self.table
+        before = table.synced.copy()
+        if table.sync(self.buf, self.initial):
+            capacity = self.buf.capacity
+            for lane in np.flatnonzero(table.synced > before):
+                first = max(int(before[lane]), int(table.synced[lane]) - capacity)
+                slots = np.arange(first, table.synced[lane]) % capacity
+                self.counts[lane * capacity + slots] = 0
 
-    def select(self, batch: int, rng: np.random.Generator) -> Rows | None:
-        """``batch`` rows, or None if fewer than that can be drawn now (nothing is spent)."""
+    def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
         self.sync()
-        t, C, k = self.table, self.buf.capacity, self.k
-        P = t.sums.shape[1] // 2
-        taken_l, taken_i, taken_p = [], [], []
+        table, capacity, k = self.table, self.buf.capacity, self.max_times
+        leaves = table.sums.shape[1] // 2  # the leaf level of each lane's tree starts here
+        taken_lanes, taken_indices, taken_probs = [], [], []
         chosen = np.zeros(0, np.int64)  # slots chosen so far in this batch, sorted
         parked = []  # (lanes, leaves, values) zeroed while choosing; restored on failure
         pmin = 1.0
-        need = batch
+        need = batch_size
         try:
-            for _ in range(self.rounds):
-                draw = t.draw(self.buf.windows(), need, rng)
-                slots = draw.lanes * C + draw.indices % C
-                before = (np.searchsorted(chosen, slots, "right")
-                          - np.searchsorted(chosen, slots, "left"))
-                ok = self.counts[slots] + before + _rank_among_equal(slots) < k
+            for _ in range(SELECT_ROUNDS):
+                draw = table.draw(self.buf.windows(), need, rng)
+                assert draw.probs is not None  # a table's draws carry their probabilities
+                slots = draw.lanes * capacity + draw.indices % capacity
+                ok = self.counts[slots] + _uses(chosen, slots) + _rank_among_equal(slots) < k
                 chosen = np.sort(np.concatenate([chosen, slots[ok]]))
                 # Rows that reach k now: park them so the next rounds cannot draw them again.
                 done = np.unique(slots[ok])
-                uses = (np.searchsorted(chosen, done, "right")
-                        - np.searchsorted(chosen, done, "left"))
-                full = done[self.counts[done] + uses >= k]
+                full = done[self.counts[done] + _uses(chosen, done) >= k]
                 if full.size:
-                    ln, leaf = full // C, full % C
-                    parked.append((ln, leaf, t.sums[ln, P + leaf].copy()))
-                    sumtree.update(t.sums, t.mins, ln, leaf, np.zeros(full.size))
-                taken_l.append(draw.lanes[ok])
-                taken_i.append(draw.indices[ok])
-                taken_p.append(draw.probs[ok])
+                    lane, leaf = full // capacity, full % capacity
+                    parked.append((lane, leaf, table.sums[lane, leaves + leaf].copy()))
+                    sumtree.update(table.sums, table.mins, lane, leaf, np.zeros(full.size))
+                taken_lanes.append(draw.lanes[ok])
+                taken_indices.append(draw.indices[ok])
+                taken_probs.append(draw.probs[ok])
                 pmin = min(pmin, draw.pmin)
                 need -= int(ok.sum())
                 if need == 0:
-                    lanes, indices = np.concatenate(taken_l), np.concatenate(taken_i)
-                    np.add.at(self.counts, lanes * C + indices % C, 1)
-                    return lanes, indices, np.concatenate(taken_p), pmin
+                    lanes, indices = np.concatenate(taken_lanes), np.concatenate(taken_indices)
+                    np.add.at(self.counts, lanes * capacity + indices % capacity, 1)
+                    return lanes, indices, np.concatenate(taken_probs), pmin
         except EmptyBufferError:
             pass
-        for ln, leaf, values in reversed(parked):  # nothing was spent: undo the parking
-            sumtree.update(t.sums, t.mins, ln, leaf, values)
+        for lane, leaf, values in reversed(parked):  # nothing was spent: undo the parking
+            sumtree.update(table.sums, table.mins, lane, leaf, values)
         return None
 
     def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
         """``PriorityTable.update`` (checks included), after which the rows already delivered
         ``k`` times are set back to zero: a new priority must not bring a retired row back."""
-        applied = self.table.update(lanes, indices, priorities)
-        C = self.buf.capacity
-        idx = np.asarray(indices, np.int64).reshape(-1)
-        ln = np.broadcast_to(np.asarray(lanes, np.int64), idx.shape).reshape(-1)
-        slots = ln * C + idx % C
-        done = (self.counts[slots] >= self.k) & (self.table.gen[slots] == idx)
-        if done.any():
-            sumtree.update(self.table.sums, self.table.mins, ln[done], idx[done] % C,
-                           np.zeros(int(done.sum())))
+        self.sync()  # as PrioritizedSelection.update: rows overwritten since are recognised
+        table = self.table
+        applied = table.update(lanes, indices, priorities)
+        capacity = self.buf.capacity
+        index = np.asarray(indices, np.int64).reshape(-1)
+        lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape).reshape(-1)
+        slots = lane * capacity + index % capacity
+        retired = (self.counts[slots] >= self.max_times) & (table.gen[slots] == index)
+        if retired.any():
+            sumtree.update(table.sums, table.mins, lane[retired], index[retired] % capacity,
+                           np.zeros(int(retired.sum())))
         return applied
-
-    def gathered(self, slot: int) -> None:
-        pass
 
     def stale(self, rows: Rows) -> None:
         """Rows overwritten before a worker gathered them: their draws are not spent."""
@@ -128,42 +214,40 @@ class CountedSelection:
         same = self.table.gen[slots] == indices
         np.subtract.at(self.counts, slots[same], 1)
 
-    def close(self) -> None:
-        pass
 
-
-class QueueSelection:
+class QueueSelection(Selection):
     """Each row exactly once, oldest first within a lane; writers wait when a lane is full."""
 
-    def __init__(self, buf: Any) -> None:
+    learner_selects = True
+    rate_limits = True
+
+    def __init__(self, buf: ReplayBuffer) -> None:
         self.buf = buf
         self.assigned = buf.windows().lo.copy()  # next row to hand out, per lane
         self.inflight: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> rows
         self.turn = 0
-        self.lost = 0
-        self._released = buf.storage.lane_words[:, L.LANE_RELEASED, 0]
+        self._released = buf.storage.lane_words[:, LANE_RELEASED, 0]
         self._released[...] = self.assigned
         buf.storage.limiter.set_queue(True)
 
-    def select(self, batch: int, rng: np.random.Generator) -> Rows | None:
-        committed = self.buf.committed()
-        pending = committed - self.assigned
-        if pending.sum() < batch:
+    def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
+        pending = self.buf.storage.committed - self.assigned
+        if pending.sum() < batch_size:
             return None
         lanes, indices = [], []
-        left = batch
-        L_ = self.buf.lanes
-        for j in range(L_):  # lanes in turn, each lane's oldest rows first
-            k = (self.turn + j) % L_
-            take = int(min(pending[k], left))
+        left = batch_size
+        n_lanes = self.buf.lanes
+        for j in range(n_lanes):  # lanes in turn, each lane's oldest rows first
+            lane = (self.turn + j) % n_lanes
+            take = int(min(pending[lane], left))
             if take:
-                indices.append(np.arange(self.assigned[k], self.assigned[k] + take))
-                lanes.append(np.full(take, k, np.int64))
-                self.assigned[k] += take
+                indices.append(np.arange(self.assigned[lane], self.assigned[lane] + take))
+                lanes.append(np.full(take, lane, np.int64))
+                self.assigned[lane] += take
                 left -= take
             if not left:
                 break
-        self.turn = (self.turn + 1) % L_
+        self.turn = (self.turn + 1) % n_lanes
         return np.concatenate(lanes), np.concatenate(indices), None, 0.0
 
     def track(self, slot: int, rows: Rows) -> None:
@@ -178,8 +262,55 @@ class QueueSelection:
         self._released[...] = low
 
     def stale(self, rows: Rows) -> None:
-        # Only possible for rows written over just as queue mode began.
-        self.lost += int(rows[0].size)
+        """Only possible for rows written over just as queue mode began: they are lost."""
 
     def close(self) -> None:
-        self.buf.storage.limiter.set_queue(False)
+        if not self.buf.closed and self._released.size:
+            self.buf.storage.limiter.set_queue(False)
+        self._released = np.zeros(0, np.int64)  # a view of the buffer: let the buffer close
+
+
+SELECTIONS: dict[str, type[Selection]] = {
+    "uniform": UniformSelection, "prioritized": PrioritizedSelection, "queue": QueueSelection,
+}
+
+
+def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
+    """The ``Selection`` class for the pool's settings; raises ``ValueError`` on a combination
+    that cannot work. Nothing is created: a pool that takes the limiter lock for the queue
+    (``rate_limits``) does so before ``open_selection``."""
+    name, k = cfg.selection, cfg.max_times_sampled
+    kind = CountedSelection if k is not None and name != "queue" else SELECTIONS[name]
+    if kind is UniformSelection:
+        return kind
+    if not compiled.plan.is_plain or compiled.derived_next_obs:
+        raise ValueError(
+            f"sampler={name!r} and max_times_sampled draw single stored transitions; "
+            f"sequence, frame-stack and n-step plans (and derived next_obs) sample uniformly"
+        )
+    if kind is QueueSelection:
+        if k not in (None, 1):
+            raise ValueError("sampler='queue' delivers each transition exactly once; drop "
+                             f"max_times_sampled={k}")
+        if cfg.limit is not None:
+            raise ValueError("sampler='queue' is its own rate limiter (writers wait while the "
+                             "queue is full): drop samples_per_insert")
+    return kind
+
+
+def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig) -> Selection:
+    """Create the selection ``selection_kind`` chose, with its priority table if it has one."""
+    if kind is UniformSelection:
+        return UniformSelection()
+    if kind is QueueSelection:
+        return QueueSelection(buf)
+    table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
+    try:
+        if kind is PrioritizedSelection:
+            return PrioritizedSelection(buf, table)
+        assert cfg.max_times_sampled is not None
+        return CountedSelection(buf, table, cfg.max_times_sampled,
+                                uniform=cfg.selection == "uniform")
+    except BaseException:
+        table.close()
+        raise

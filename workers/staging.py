@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from shmbuf import layout as L
+from shmbuf.errors import ClosedError
+from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
 
 FREE, ASSIGNED, FILLING, READY, HELD = range(5)
-STATE_NAMES = {FREE: "free", ASSIGNED: "assigned", FILLING: "filling", READY: "ready", HELD: "held"}
 
 W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
 CONTROL_LINES = 4
@@ -33,6 +33,31 @@ CONTROL_LINES = 4
 # Arrays every slot carries besides the batch's fields.
 INDICES, LANES, WEIGHTS = "_indices", "_lanes", "_weights"
 PROBS, PMIN = "_probs", "_pmin"  # prioritized draws: probability of each row, smallest overall
+
+
+ArraySpec = tuple[str, tuple[int, ...], np.dtype]  # name, shape, dtype
+
+
+def slot_arrays(fields: list[ArraySpec], batch_size: int,
+                index_shape: tuple[int, ...]) -> list[ArraySpec]:
+    """Every array a slot carries, shapes with the batch axis: the delivered ``fields`` (shapes
+    without it), then which rows the batch holds, their importance weights and probabilities."""
+    rows = (batch_size,)
+    return [(name, (*rows, *shape), np.dtype(dtype)) for name, shape, dtype in fields] + [
+        (INDICES, (*rows, *index_shape), np.dtype(np.int64)), (LANES, rows, np.dtype(np.int64)),
+        (WEIGHTS, rows, np.dtype(np.float32)), (PROBS, rows, np.dtype(np.float64)),
+        (PMIN, (1,), np.dtype(np.float64)),
+    ]
+
+
+def write_rows(arrays: dict[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+               probs: np.ndarray | None, pmin: float) -> None:
+    """Record in a slot's arrays which rows its batch holds (and their probabilities, for
+    importance weights, when they were drawn in proportion to priorities)."""
+    arrays[INDICES][...] = indices
+    arrays[LANES][...] = lanes
+    if probs is not None:
+        arrays[PROBS][...], arrays[PMIN][0] = probs, pmin
 
 
 @dataclass(frozen=True)
@@ -59,7 +84,7 @@ class StagingLayout:
 
     def word(self, slot: int, word: int) -> int:
         """Index into the segment's int64 word view of ``word`` of ``slot``."""
-        return (self.control_offset + (slot * CONTROL_LINES + word) * L.LINE) // 8
+        return (self.control_offset + (slot * CONTROL_LINES + word) * LINE) // 8
 
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_stride
@@ -68,17 +93,17 @@ class StagingLayout:
 def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
                    json_len: int) -> StagingLayout:
     """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch)."""
-    hdr = L.header_size(json_len)
-    control = hdr
-    data = L.align(control + n_slots * CONTROL_LINES * L.LINE, L.PAGE)
+    header = header_size(json_len)
+    control = header
+    data = align(control + n_slots * CONTROL_LINES * LINE, PAGE)
     offset = 0
     out = []
     for name, shape, dtype in arrays:
         arr = SlotArray(name, offset, tuple(shape), np.dtype(dtype))
         out.append(arr)
-        offset = L.align(offset + arr.nbytes)
-    stride = L.align(max(offset, 1), L.PAGE)
-    return StagingLayout(n_slots, hdr, control, data, stride, tuple(out), data + n_slots * stride)
+        offset = align(offset + arr.nbytes)
+    stride = align(max(offset, 1), PAGE)
+    return StagingLayout(n_slots, header, control, data, stride, tuple(out), data + n_slots * stride)
 
 
 class StagingRing:
@@ -89,11 +114,12 @@ class StagingRing:
 
     def __init__(self, segment: Segment) -> None:
         doc = segment.header.doc
-        self.doc = doc
         arrays = [(a["name"], tuple(a["shape"]), a["dtype"]) for a in doc["arrays"]]
-        self.layout = staging_layout(arrays, int(doc["n_slots"]), len(L.encode_layout(doc)))
+        self.layout = staging_layout(arrays, int(doc["n_slots"]), len(encode_layout(doc)))
         self.seg = segment
         mm = segment.buf
+        if mm is None:
+            raise ClosedError(f"staging segment {segment.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         self._slots: list[dict[str, np.ndarray]] = []
         for s in range(self.layout.n_slots):
@@ -109,8 +135,8 @@ class StagingRing:
             )
 
     @classmethod
-    def create(cls, arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
-               meta: dict[str, Any]) -> StagingRing:
+    def create(cls, arrays: list[ArraySpec], n_slots: int, meta: dict[str, Any]) -> StagingRing:
+        """A new ring of ``n_slots`` slots of ``arrays`` (``slot_arrays``); weights start at 1."""
         doc = {
             "kind": "staging",
             "n_slots": n_slots,
@@ -124,14 +150,15 @@ class StagingRing:
         def size_of(json_len: int) -> int:
             return staging_layout(arrays, n_slots, json_len).total_size
 
-        ring = cls(Segment.create(None, L.KIND_STAGING, doc, size_of))
+        ring = cls(Segment.create(None, KIND_STAGING, doc, size_of))
         for s in range(n_slots):
             ring.set(s, W_OWNER, -1)
+            ring.slot(s)[WEIGHTS][...] = 1.0
         return ring
 
     @classmethod
     def attach(cls, name: str) -> StagingRing:
-        return cls(Segment.attach(name, L.KIND_STAGING))
+        return cls(Segment.attach(name, KIND_STAGING))
 
     @property
     def name(self) -> str:
@@ -141,31 +168,28 @@ class StagingRing:
     def n_slots(self) -> int:
         return self.layout.n_slots
 
-    def slot(self, s: int) -> dict[str, np.ndarray]:
-        """Every array of slot ``s`` (fields and the internal ``_indices``/``_lanes``/...)."""
-        return self._slots[s]
+    def slot(self, slot: int) -> dict[str, np.ndarray]:
+        """Every array of ``slot`` (fields and the internal ``_indices``/``_lanes``/...)."""
+        return self._slots[slot]
 
-    def get(self, s: int, word: int) -> int:
-        return self.words[self.layout.word(s, word)]
+    def get(self, slot: int, word: int) -> int:
+        return self.words[self.layout.word(slot, word)]
 
-    def set(self, s: int, word: int, value: int) -> None:
-        self.words[self.layout.word(s, word)] = value
+    def set(self, slot: int, word: int, value: int) -> None:
+        self.words[self.layout.word(slot, word)] = value
 
-    def assign(self, s: int, owner: int, generation: int) -> None:
-        """The learner hands slot ``s`` to worker ``owner`` (learner-side, while it holds ``s``)."""
-        self.set(s, W_GENERATION, generation)
-        self.set(s, W_OWNER, owner)
-        self.set(s, W_STATE, ASSIGNED)
+    def assign(self, slot: int, owner: int, generation: int) -> None:
+        """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it)."""
+        self.set(slot, W_GENERATION, generation)
+        self.set(slot, W_OWNER, owner)
+        self.set(slot, W_STATE, ASSIGNED)
 
-    def free(self, s: int, generation: int | None = None) -> None:
-        """Slot ``s`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
+    def free(self, slot: int, generation: int | None = None) -> None:
+        """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
         if generation is not None:
-            self.set(s, W_GENERATION, generation)
-        self.set(s, W_STATE, FREE)
-        self.set(s, W_OWNER, -1)
-
-    def states(self) -> list[int]:
-        return [self.get(s, W_STATE) for s in range(self.n_slots)]
+            self.set(slot, W_GENERATION, generation)
+        self.set(slot, W_STATE, FREE)
+        self.set(slot, W_OWNER, -1)
 
     def slot_span(self) -> tuple[int, int]:
         """(byte offset, length) of all slot data, e.g. to pin it for async GPU copies."""
@@ -174,7 +198,5 @@ class StagingRing:
     def close(self) -> None:
         """Drop this process's views and unmap; the owner also unlinks. Idempotent."""
         self._slots = []
-        if self.words is not None:
-            self.words.release()
-            self.words = None  # type: ignore[assignment]
+        self.words.release()  # idempotent; a word read after close raises ValueError
         self.seg.close()

@@ -11,7 +11,7 @@ import select
 import signal
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 from .channel import OP_STOP, Channel
 
@@ -134,8 +134,21 @@ class Child:
     def describe_exit(self) -> str:
         return describe_exit(self.proc.exitcode if self.proc is not None else None)
 
+    def send(self, op: int, a: int = 0, b: int = 0) -> None:
+        """Send the child one record; OSError if it was never started or is gone."""
+        if self.chan is None:
+            raise OSError(f"child {self.child_id} was never started")
+        self.chan.send(op, a, b)
 
-class ChildSet:
+    def receive(self) -> list[tuple[int, int, int, bytes]]:
+        """Every record the child has sent and this end has not read yet (never blocks)."""
+        return self.chan.receive()[0] if self.chan is not None else []
+
+
+ChildT = TypeVar("ChildT", bound=Child)
+
+
+class ChildSet(Generic[ChildT]):
     """Child processes that each run ``target(sock, *args)`` with a socket of their own.
 
     ``start`` (re)starts a child; ``wait`` blocks on messages, exits and ``wake()`` at once;
@@ -152,14 +165,14 @@ class ChildSet:
                  max_restarts_per_minute: float) -> None:
         self.budget = RestartBudget(max_restarts_per_minute)
         self.ctx, self.target, self.name = ctx, target, name
-        self.children: list[Any] = []
+        self.children: list[ChildT] = []
         self.poller = select.poll()
         self._wake_r, self._wake_w = os.pipe()
         self.poller.register(self._wake_r, READABLE)
-        self._fd_owner: dict[int, tuple[str, Any]] = {self._wake_r: ("wake", None)}
+        self._fd_owner: dict[int, tuple[str, ChildT | None]] = {self._wake_r: ("wake", None)}
         parent_only(self)
 
-    def start(self, child: Child, *args: Any) -> None:
+    def start(self, child: ChildT, *args: Any) -> None:
         """Start (or restart) ``child`` as ``target(its socket, *args)``."""
         chan, child_sock = Channel.pair()
         proc = self.ctx.Process(target=self.target, args=(child_sock, *args),
@@ -177,7 +190,7 @@ class ChildSet:
             self.poller.register(fd, READABLE)
             self._fd_owner[fd] = (kind, child)
 
-    def wait(self, timeout: float) -> tuple[bool, list[Any], list[Any]]:
+    def wait(self, timeout: float) -> tuple[bool, list[ChildT], list[ChildT]]:
         """Wait up to ``timeout`` s: (woken, children with messages, children whose process
         ended). An exit is seen by its process sentinel, so it wakes the wait at once."""
         events = self.poller.poll(max(0, int(timeout * 1000)))
@@ -186,20 +199,22 @@ class ChildSet:
             kind, child = self._fd_owner.get(fd, ("gone", None))
             if kind == "wake":
                 woken = True
-            elif kind == "msg":
+            elif kind == "msg" and child is not None:
                 messages.append(child)
-            elif kind == "exit":
+            elif kind == "exit" and child is not None:
                 exits.append(child)
         return woken, messages, exits
 
-    def exited(self) -> list[Any]:
+    def exited(self) -> list[ChildT]:
         """Children whose process has ended (by ``waitpid``, not the sentinel: a grandchild
         that inherited the sentinel's write end would hide the exit). Never blocks."""
         return [c for c in self.children if c.proc is not None and c.chan is not None
                 and not c.chan.closed and not c.proc.is_alive()]
 
-    def retire(self, child: Child) -> None:
+    def retire(self, child: ChildT) -> None:
         """``child``'s process ended: reap it, stop watching it, close its channel."""
+        if child.chan is None:  # never started
+            return
         child.proc.join(1.0)
         for fd in (child.chan.fd, child.proc.sentinel):
             if self._fd_owner.pop(fd, None) is not None:
