@@ -12,7 +12,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -168,6 +168,11 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
         writer's claim is loaded before ``committed``)."""
         self._check_open()
         return self._storage.windows()
+
+    @overload
+    def committed(self, lane: int) -> int: ...
+    @overload
+    def committed(self, lane: None = None) -> np.ndarray: ...
 
     def committed(self, lane: int | None = None) -> int | np.ndarray:
         """Transitions ever published to ``lane`` (or to each lane)."""
