@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from shmbuf import ReplayBuffer, Spec
-from shmbuf import segment as shm_segment
+from shmbuf.scan import scan
 from shmbuf.errors import Timeout
 from workers import ActorContext, ActorGroup, SamplerPool
 
@@ -54,7 +54,7 @@ def left_behind(before: set[str]) -> list[str]:
     """New /dev/shm entries that this run made: segments it owns, or files that are not
     shmbuf segments. Segments of other processes running beside us are not ours to judge."""
     new = set(os.listdir(SHM_DIR)) - before
-    owners = {i.name: i.header.owner_pid for i in shm_segment.scan() if i.header is not None}
+    owners = {i.name: i.header.owner_pid for i in scan() if i.header is not None}
     return sorted(n for n in new if owners.get(n, os.getpid()) == os.getpid())
 
 

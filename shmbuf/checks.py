@@ -10,17 +10,18 @@ from typing import Any
 import numpy as np
 
 
-def ring_segments(first: int, n: int, C: int) -> list[tuple[int, int, int]]:
-    """Contiguous slot ranges [a, b) for logical indices [first, first+n), n <= C, with the
-    offset of each range's first row within the n."""
-    s0 = first % C
-    if s0 + n <= C:
-        return [(s0, s0 + n, 0)]
-    head = C - s0
-    return [(s0, C, 0), (0, n - head, head)]
+def ring_segments(first: int, n: int, capacity: int) -> list[tuple[int, int, int]]:
+    """Contiguous slot ranges [a, b) for logical indices [first, first+n), n <= capacity, with
+    the offset of each range's first row within the n."""
+    start = first % capacity
+    if start + n <= capacity:
+        return [(start, start + n, 0)]
+    head = capacity - start
+    return [(start, capacity, 0), (0, n - head, head)]
 
 
 def positive_int(name: str, value: Any) -> int:
+    """``value`` as an int, refused with a ValueError naming ``name`` unless it is one >= 1."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
@@ -39,15 +40,15 @@ def timeout_seconds(name: str, value: Any, positive: bool = False) -> float:
             f"{name} must be a number of seconds, got {value!r} (a {type(value).__name__}). "
             f"Fix: pass an int or float, e.g. {name}=5.0"
         )
-    t = float(value)
+    seconds = float(value)
     bound = ">" if positive else ">="
-    if math.isnan(t):
+    if math.isnan(seconds):
         raise ValueError(f"{name} must be {bound} 0 seconds, got {value!r} (not a number)")
-    if math.isinf(t):
+    if math.isinf(seconds):
         raise ValueError(
             f"{name} must be finite, got {value!r}: nothing in shmbuf waits forever. Fix: pass "
             f"a large number of seconds instead (e.g. 86400 for a day)"
         )
-    if t < 0 or (positive and t == 0):
+    if seconds < 0 or (positive and seconds == 0):
         raise ValueError(f"{name} must be {bound} 0 seconds, got {value!r}")
-    return t
+    return seconds

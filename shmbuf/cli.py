@@ -17,21 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from . import layout as L
+from . import layout
 from .checks import timeout_seconds
 from .errors import SegmentFormatError, ShmbufError
-from .segment import (
-    SHM_DIR,
-    Segment,
-    SegmentInfo,
-    fmt_bytes,
-    is_locked,
-    normalize_name,
-    open_regular,
-    read_header,
-    scan,
-    unlink,
-)
+from .lease import is_locked
+from .scan import SegmentInfo, open_regular, scan
+from .segment import Segment, fmt_bytes, read_header
+from .shmdir import SHM_DIR, normalize_name, unlink
 from .spec import Spec
 
 PLUGIN_GROUP = "shmbuf.commands"
@@ -56,15 +48,15 @@ def _state(info: SegmentInfo) -> str:
 def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
     """(capacity, lanes, fill) of a replay buffer, reading its committed words with pread;
     None where the layout cannot be understood (it is only shown, never acted on)."""
-    if info.header is None or info.header.kind != L.KIND_BUFFER:
+    if info.header is None or info.header.kind != layout.KIND_BUFFER:
         return None
     doc = info.header.doc
     try:
         spec = Spec.from_json(doc["spec"])
         capacity, lanes = int(doc["capacity"]), int(doc["lanes"])
-        lay = L.buffer_layout(
+        offsets = layout.buffer_layout(
             [(f.name, f.shape, f.dtype) for f in spec.values()], capacity, lanes,
-            len(L.encode_layout(doc)),
+            len(layout.encode_layout(doc)),
         )
     except Exception:  # noqa: BLE001 - any malformed layout: show no geometry
         return None
@@ -72,33 +64,33 @@ def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
     if fd is None:
         return capacity, lanes, None
     try:
-        raw = os.pread(fd, lanes * L.LANE_LINES * L.LINE, lay.lane_offset)
+        raw = os.pread(fd, lanes * layout.LANE_LINES * layout.LINE, offsets.lane_offset)
     except OSError:
         return capacity, lanes, None
     finally:
         os.close(fd)
-    if len(raw) != lanes * L.LANE_LINES * L.LINE:
+    if len(raw) != lanes * layout.LANE_LINES * layout.LINE:
         return capacity, lanes, None
-    words = np.frombuffer(raw, "<i8").reshape(lanes, L.LANE_LINES, L.WORDS_PER_LINE)
-    held = np.minimum(words[:, L.LANE_COMMITTED, 0], capacity).sum()
+    words = np.frombuffer(raw, "<i8").reshape(lanes, layout.LANE_LINES, layout.WORDS_PER_LINE)
+    held = np.minimum(words[:, layout.LANE_COMMITTED, 0], capacity).sum()
     return capacity, lanes, float(held) / (capacity * lanes)
 
 
 def _describe(info: SegmentInfo) -> dict[str, Any]:
     geometry = _buffer_geometry(info)
     capacity, lanes, fill = geometry if geometry is not None else (None, None, None)
-    hdr = info.header
+    header = info.header
     return {
         "name": info.name,
         "kind": info.kind_name,
-        "owner_pid": hdr.owner_pid if hdr is not None else None,
+        "owner_pid": header.owner_pid if header is not None else None,
         "state": _state(info),
         "alive": info.alive,
         "size": info.size,
         "capacity": capacity,
         "lanes": lanes,
         "fill": fill,
-        "created": hdr.created if hdr is not None else None,
+        "created": header.created if header is not None else None,
         "age_s": round(info.age, 3),
         "error": info.error,
     }
@@ -156,7 +148,7 @@ def _still_leaked(name: str) -> bool:
         return False
     try:
         read_header(fd, name)
-        return not is_locked(fd, L.LOCK_OWNER)
+        return not is_locked(fd, layout.LOCK_OWNER)
     except (SegmentFormatError, OSError):
         return False
     finally:
@@ -212,26 +204,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     seg = Segment.attach(args.name, timeout=args.timeout)
     try:
-        hdr = seg.header
+        header = seg.header
         info: dict[str, Any] = {
             "name": seg.name,
-            "kind": L.kind_name(hdr.kind),
-            "format_version": hdr.version,
-            "owner_pid": hdr.owner_pid,
+            "kind": layout.kind_name(header.kind),
+            "format_version": header.version,
+            "owner_pid": header.owner_pid,
             "owner_alive": seg.owner_alive(),
-            "owner_uid": hdr.owner_uid,
-            "created": hdr.created,
-            "size": hdr.total_size,
+            "owner_uid": header.owner_uid,
+            "created": header.created,
+            "size": header.total_size,
         }
-        kind = hdr.kind
+        kind = header.kind
     finally:
         seg.close()
-    if kind == L.KIND_BUFFER:
+    if kind == layout.KIND_BUFFER:
         with ReplayBuffer.attach(args.name, timeout=args.timeout) as buf:
             info["spec"] = buf.spec.to_json()
             info["stats"] = buf.stats()
     else:
-        info["layout"] = hdr.doc
+        info["layout"] = header.doc
     if args.json:
         print(json.dumps(info, indent=1, default=_json_default))
     else:
@@ -260,12 +252,12 @@ def _format_inspect(info: dict[str, Any]) -> str:
         out.append("layout:")
         out.extend("  " + line for line in json.dumps(info["layout"], indent=2).splitlines())
         return "\n".join(out)
-    st = info["stats"]
-    cap, lanes = st["capacity"], st["lanes"]
+    stats = info["stats"]
+    capacity, lanes = stats["capacity"], stats["lanes"]
     out += [
-        f"capacity: {cap} per lane x {lanes} lane(s); holds {st['size']} "
-        f"({st['size'] / (cap * lanes):.1%}), {st['committed']} ever written, "
-        f"{st['inserts_per_s']:.1f} inserts/s since creation",
+        f"capacity: {capacity} per lane x {lanes} lane(s); holds {stats['size']} "
+        f"({stats['size'] / (capacity * lanes):.1%}), {stats['committed']} ever written, "
+        f"{stats['inserts_per_s']:.1f} inserts/s since creation",
         "spec:",
     ]
     rows = [["FIELD", "SHAPE", "DTYPE"]]
@@ -273,12 +265,12 @@ def _format_inspect(info: dict[str, Any]) -> str:
     out.extend("  " + line for line in _table(rows).splitlines())
     out.append("lanes:")
     rows = [["LANE", "COMMITTED", "SIZE", "WRITER", "PID", "EPOCH", "EPISODE", "LAST WRITE"]]
-    for ln in st["per_lane"]:
+    for lane in stats["per_lane"]:
         rows.append([
-            str(ln["lane"]), str(ln["committed"]), str(ln["size"]),
-            "alive" if ln["writer_alive"] else "-", _dash(ln["writer_pid"] or None),
-            str(ln["epoch"]), str(ln["episode"]),
-            _dash(ln["last_write_age_s"], lambda a: f"{a:.1f} s ago"),
+            str(lane["lane"]), str(lane["committed"]), str(lane["size"]),
+            "alive" if lane["writer_alive"] else "-", _dash(lane["writer_pid"] or None),
+            str(lane["epoch"]), str(lane["episode"]),
+            _dash(lane["last_write_age_s"], lambda a: f"{a:.1f} s ago"),
         ])
     out.extend("  " + line for line in _table(rows, right={0, 1, 2, 4, 5, 6}).splitlines())
     return "\n".join(out)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,7 +193,7 @@ def buffer_layout(
     capacity: int,
     lanes: int,
     json_len: int,
-    episode_fields: list[tuple[str, tuple[int, ...], np.dtype]] = (),  # type: ignore[assignment]
+    episode_fields: Sequence[tuple[str, tuple[int, ...], np.dtype]] = (),
     episode_capacity: int = 0,
 ) -> BufferLayout:
     """Compute the layout of a replay buffer; pure, so it is the same in every process."""

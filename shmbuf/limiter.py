@@ -24,7 +24,8 @@ from . import slots
 from .errors import RateLimitTimeout, ShmbufError
 
 if TYPE_CHECKING:
-    from .segment import Lease, Segment
+    from .lease import Lease
+    from .segment import Segment
 
 _F64 = struct.Struct("<d")
 ROOM_CHECK_EVERY = 4096  # rows between heartbeat / rate-limiter refreshes when unlimited

@@ -17,14 +17,13 @@ never touch the table: a dead actor or worker cannot leave it inconsistent, and 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import layout as L
-from .errors import EmptyBufferError, InvalidPriorityError, SamplingError
-from .sampling import Draw, Windows
-from .sampling import sumtree
+from . import layout
+from .errors import ClosedError, EmptyBufferError, InvalidPriorityError, SamplingError
+from .sampling import Draw, Windows, sumtree
 from .segment import Segment
 
 if TYPE_CHECKING:
@@ -33,14 +32,23 @@ if TYPE_CHECKING:
 DRAW_ROUNDS = 64
 
 
-def _priority_layout(lanes: int, capacity: int, json_len: int) -> dict[str, Any]:
-    P = sumtree.tree_size(capacity)
-    off = L.header_size(json_len)
-    sums = off
-    mins = L.align(sums + lanes * 2 * P * 8)
-    gen = L.align(mins + lanes * 2 * P * 8)
-    total = L.align(gen + lanes * capacity * 8, L.PAGE)
-    return {"P": P, "sums": sums, "mins": mins, "gen": gen, "total": total}
+class _TableLayout(NamedTuple):
+    """Byte offsets of a priority segment's arrays, and its total size."""
+
+    leaves: int  # P: leaves per lane tree
+    sums: int
+    mins: int
+    generations: int
+    total: int
+
+
+def _table_layout(lanes: int, capacity: int, json_len: int) -> _TableLayout:
+    leaves = sumtree.tree_size(capacity)
+    sums = layout.header_size(json_len)
+    mins = layout.align(sums + lanes * 2 * leaves * 8)
+    generations = layout.align(mins + lanes * 2 * leaves * 8)
+    total = layout.align(generations + lanes * capacity * 8, layout.PAGE)
+    return _TableLayout(leaves, sums, mins, generations, total)
 
 
 class PriorityTable:
@@ -52,19 +60,23 @@ class PriorityTable:
     float64 range; ``update`` refuses priorities above ``max_allowed``.
     """
 
-    def __init__(self, segment: Segment, owner: bool) -> None:
+    def __init__(self, segment: Segment) -> None:
         doc = segment.header.doc
-        self.seg = segment
-        self.owner = owner
+        self.segment = segment
         self.lanes, self.capacity = int(doc["lanes"]), int(doc["capacity"])
         self.alpha, self.eps = float(doc["alpha"]), float(doc["eps"])
         self.max_allowed = _max_priority(self.alpha, self.eps, self.lanes * self.capacity)
-        lay = _priority_layout(self.lanes, self.capacity, len(L.encode_layout(doc)))
-        P = lay["P"]
-        mm = segment.buf
-        self.sums = np.frombuffer(mm, "<f8", self.lanes * 2 * P, lay["sums"]).reshape(self.lanes, 2 * P)
-        self.mins = np.frombuffer(mm, "<f8", self.lanes * 2 * P, lay["mins"]).reshape(self.lanes, 2 * P)
-        self.gen = np.frombuffer(mm, "<i8", self.lanes * self.capacity, lay["gen"])
+        offsets = _table_layout(self.lanes, self.capacity, len(layout.encode_layout(doc)))
+        memory = segment.buf
+        if memory is None:
+            raise ClosedError(f"priority table {segment.name!r} is closed")
+        nodes = 2 * offsets.leaves
+        self.sums = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.sums
+                                  ).reshape(self.lanes, nodes)
+        self.mins = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.mins
+                                  ).reshape(self.lanes, nodes)
+        # per slot: the logical index of the row its priority was set for (-1: none)
+        self.gen = np.frombuffer(memory, "<i8", self.lanes * self.capacity, offsets.generations)
         # Learner-side state (private to the owner).
         self.max_priority = 1.0
         self.synced = np.zeros(self.lanes, np.int64)
@@ -78,9 +90,9 @@ class PriorityTable:
             raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
         doc = {"kind": "priorities", "buffer": buf.name, "lanes": buf.lanes,
                "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps)}
-        seg = Segment.create(None, L.KIND_PRIORITY, doc,
-                             lambda n: _priority_layout(buf.lanes, buf.capacity, n)["total"])
-        table = cls(seg, owner=True)
+        segment = Segment.create(None, layout.KIND_PRIORITY, doc,
+                                 lambda n: _table_layout(buf.lanes, buf.capacity, n).total)
+        table = cls(segment)
         table.mins[...] = np.inf
         table.gen[...] = -1
         # Rows already in the buffer enter at the initial maximum priority on the first sync.
@@ -89,37 +101,40 @@ class PriorityTable:
 
     @classmethod
     def attach(cls, name: str) -> PriorityTable:
-        return cls(Segment.attach(name, L.KIND_PRIORITY), owner=False)
+        return cls(Segment.attach(name, layout.KIND_PRIORITY))
 
     @property
     def name(self) -> str:
-        return self.seg.name
+        return self.segment.name
 
-    def _value(self, p: np.ndarray) -> np.ndarray:
-        return (p + self.eps) ** self.alpha
+    def _value(self, priorities: np.ndarray) -> np.ndarray:
+        """The stored value ``(p + eps) ** alpha`` of priorities."""
+        return (priorities + self.eps) ** self.alpha
 
-    # -- learner side: the only writer -----------------------------------------------------------------
+    # -- learner side: the only writer -------------------------------------------------------------
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
         """Enter rows committed since the last sync at the maximum priority (``initial`` if
         given, e.g. 1.0 for uniform tables); FINAL rows (not transitions) at zero."""
         committed = buf.committed()
+        assert isinstance(committed, np.ndarray)  # no lane given: one count per lane
         new = committed > self.synced
         if not new.any():
             return 0
-        C = self.capacity
-        lanes, idx = [], []
-        for k in np.flatnonzero(new):  # per lane, not per row
-            first = max(int(self.synced[k]), int(committed[k]) - C)
-            idx.append(np.arange(first, committed[k], dtype=np.int64))
-            lanes.append(np.full(idx[-1].size, k, np.int64))
+        capacity = self.capacity
+        lane_parts, index_parts = [], []
+        for lane in np.flatnonzero(new):  # per lane, not per row
+            first = max(int(self.synced[lane]), int(committed[lane]) - capacity)
+            index_parts.append(np.arange(first, committed[lane], dtype=np.int64))
+            lane_parts.append(np.full(index_parts[-1].size, lane, np.int64))
         self.synced[new] = committed[new]
-        lanes_a, idx_a = np.concatenate(lanes), np.concatenate(idx)
-        slots = lanes_a * C + idx_a % C
-        final = (buf.storage.meta[slots] & L.FLAG_FINAL) != 0
-        value = self._value(np.float64(self.max_priority)) if initial is None else initial
-        self.gen[slots] = idx_a  # generation first: a reader that sees it finds the new row
-        sumtree.update(self.sums, self.mins, lanes_a, idx_a % C, np.where(final, 0.0, value))
-        return int(idx_a.size)
+        lanes, indices = np.concatenate(lane_parts), np.concatenate(index_parts)
+        slots = lanes * capacity + indices % capacity
+        final = (buf.storage.meta[slots] & layout.FLAG_FINAL) != 0
+        value = self._value(np.asarray(self.max_priority)) if initial is None else initial
+        self.gen[slots] = indices  # generation first: a reader that sees it finds the new row
+        sumtree.update(self.sums, self.mins, lanes, indices % capacity,
+                       np.where(final, 0.0, value))
+        return int(indices.size)
 
     def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
         """Set new priorities for rows sampled at ``(lanes, indices)``; rows overwritten since
@@ -129,75 +144,71 @@ class PriorityTable:
             InvalidPriorityError: a priority is NaN, infinite, negative or above
                 ``max_allowed``, where a sum of the tree could overflow (nothing is applied).
         """
-        p = np.asarray(priorities, np.float64).reshape(-1)
+        values = np.asarray(priorities, np.float64).reshape(-1)
         indices = np.asarray(indices, np.int64).reshape(-1)
         lanes = np.broadcast_to(np.asarray(lanes, np.int64), indices.shape).reshape(-1)
-        if p.shape != indices.shape:
-            raise ValueError(f"{p.size} priorities for {indices.size} indices")
-        bad = ~np.isfinite(p) | (p < 0)
+        if values.shape != indices.shape:
+            raise ValueError(f"{values.size} priorities for {indices.size} indices")
+        bad = ~np.isfinite(values) | (values < 0)
         if bad.any():
-            b = int(np.flatnonzero(bad)[0])
-            raise InvalidPriorityError(
-                f"priority {p[b]!r} at position {b} (index {int(indices[b])} of lane "
-                f"{int(lanes[b])}) is not allowed: priorities must be finite and >= 0 "
-                f"({int(bad.sum())} bad of {p.size}); nothing was updated"
-            )
-        big = p > self.max_allowed
-        if big.any():
-            b = int(np.flatnonzero(big)[0])
-            raise InvalidPriorityError(
-                f"priority {float(p[b])!r} at position {b} (index {int(indices[b])} of lane "
-                f"{int(lanes[b])}) is too large: with alpha={self.alpha} and "
-                f"{self.lanes * self.capacity} rows the sum tree could overflow to inf. "
-                f"Priorities must be at most {self.max_allowed!r}; nothing was updated. Fix: "
-                f"rescale or clip them (e.g. clip TD errors)"
-            )
+            raise _invalid_priority(
+                values, lanes, indices, bad, "is not allowed: priorities must be finite and >= 0 "
+                f"({int(bad.sum())} bad of {values.size}); nothing was updated")
+        if (values > self.max_allowed).any():
+            raise _invalid_priority(
+                values, lanes, indices, values > self.max_allowed,
+                f"is too large: with alpha={self.alpha} and {self.lanes * self.capacity} rows "
+                f"the sum tree could overflow to inf. Priorities must be at most "
+                f"{self.max_allowed!r}; nothing was updated. Fix: rescale or clip them (e.g. "
+                f"clip TD errors)")
         if ((lanes < 0) | (lanes >= self.lanes)).any():
             raise ValueError(f"lanes must be in [0, {self.lanes})")
         if (indices < 0).any():  # -1 is the generation of a slot never written
-            b = int(np.flatnonzero(indices < 0)[0])
+            position = int(np.flatnonzero(indices < 0)[0])
             raise ValueError(
-                f"index {int(indices[b])} at position {b} is not a row: indices are the logical "
-                f"positions in batch.indices (>= 0); nothing was updated"
+                f"index {int(indices[position])} at position {position} is not a row: indices "
+                f"are the logical positions in batch.indices (>= 0); nothing was updated"
             )
         slots = lanes * self.capacity + indices % self.capacity
         current = self.gen[slots] == indices
         self.updates_dropped += int((~current).sum())
         if current.any():
             sumtree.update(self.sums, self.mins, lanes[current], indices[current] % self.capacity,
-                           self._value(p[current]))
-            self.max_priority = max(self.max_priority, float(p[current].max()))
+                           self._value(values[current]))
+            self.max_priority = max(self.max_priority, float(values[current].max()))
         return int(current.sum())
 
     def retire(self, lanes: np.ndarray, indices: np.ndarray) -> None:
-        """Priority zero: the rows are never drawn again (unless overwritten and re-entered)."""
+        """Priority zero: the rows are never drawn again (unless overwritten and re-entered).
+        Rows overwritten since ``(lanes, indices)`` were sampled are left alone."""
         slots = lanes * self.capacity + indices % self.capacity
         current = self.gen[slots] == indices
         sumtree.update(self.sums, self.mins, lanes[current], indices[current] % self.capacity,
                        np.zeros(int(current.sum())))
 
-    # -- anyone: read-only draws ----------------------------------------------------------------------------
+    # -- anyone: read-only draws -------------------------------------------------------------------
     def draw(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
         """``batch`` rows drawn in proportion to their priorities, each a row the buffer holds
         (by its generation); with their probabilities and the smallest probability."""
-        C = self.capacity
+        capacity = self.capacity
         lanes = np.empty(batch, np.int64)
         indices = np.empty(batch, np.int64)
         probs = np.empty(batch, np.float64)
         todo = np.arange(batch)
         for _ in range(DRAW_ROUNDS):
             try:
-                ln, leaves, total = sumtree.sample(self.sums, todo.size, rng)
+                drawn_lanes, leaves, total = sumtree.sample(self.sums, todo.size, rng)
             except ValueError:
                 raise EmptyBufferError(
                     "no row has a positive priority: nothing written yet (or every row retired)"
                 ) from None
-            leaves = np.minimum(leaves, C - 1)
-            slots = ln * C + leaves
-            value = self.sums[ln, self.sums.shape[1] // 2 + leaves]
-            gen = self.gen[slots]
-            ok = (value > 0) & (gen >= windows.lo[ln]) & (gen < windows.hi[ln])
-            lanes[todo[ok]], indices[todo[ok]] = ln[ok], gen[ok]
+            leaves = np.minimum(leaves, capacity - 1)
+            slots = drawn_lanes * capacity + leaves
+            value = self.sums[drawn_lanes, self.sums.shape[1] // 2 + leaves]
+            generation = self.gen[slots]
+            ok = ((value > 0) & (generation >= windows.lo[drawn_lanes])
+                  & (generation < windows.hi[drawn_lanes]))
+            lanes[todo[ok]], indices[todo[ok]] = drawn_lanes[ok], generation[ok]
             probs[todo[ok]] = value[ok] / total
             todo = todo[~ok]
             if not todo.size:
@@ -209,8 +220,20 @@ class PriorityTable:
         )
 
     def close(self) -> None:
-        self.sums = self.mins = self.gen = None  # type: ignore[assignment]
-        self.seg.close()
+        # Drop the views of the mapping so that it can be closed (idempotent).
+        self.sums = self.mins = np.empty((self.lanes, 0))
+        self.gen = np.empty(0, np.int64)
+        self.segment.close()
+
+
+def _invalid_priority(values: np.ndarray, lanes: np.ndarray, indices: np.ndarray,
+                      bad: np.ndarray, why: str) -> InvalidPriorityError:
+    """The error naming the first ``bad`` priority, its position and its row."""
+    position = int(np.flatnonzero(bad)[0])
+    return InvalidPriorityError(
+        f"priority {float(values[position])!r} at position {position} (index "
+        f"{int(indices[position])} of lane {int(lanes[position])}) {why}"
+    )
 
 
 def _max_priority(alpha: float, eps: float, rows: int) -> float:

@@ -17,12 +17,12 @@ buffer's size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import layout as L
+from . import layout
 from .errors import SamplingError
 from .sampling import Draw, Windows, draw_uniform
 from .sampling.framestack import stack_mask, stack_offsets
@@ -36,39 +36,58 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class _NStepRead:
+    """What the probe of an n-step plan read for each anchor."""
+
+    extent: np.ndarray  # [n] m: steps in the transition (``nstep_extent``)
+    rewards: np.ndarray  # [n, n_step]
+    terminated_last: np.ndarray  # [n] the terminated flag of the transition's last step
+
+    def take(self, keep: np.ndarray) -> _NStepRead:
+        return _NStepRead(self.extent[keep], self.rewards[keep], self.terminated_last[keep])
+
+    @staticmethod
+    def concat(parts: list[_NStepRead]) -> _NStepRead:
+        return _NStepRead(np.concatenate([p.extent for p in parts]),
+                          np.concatenate([p.rewards for p in parts]),
+                          np.concatenate([p.terminated_last for p in parts]))
+
+
+@dataclass
 class _Selection:
     """Anchors judged usable from their first stamp/meta read, with what was read."""
 
     lanes: np.ndarray  # [n]
     anchors: np.ndarray  # [n]
-    rows: np.ndarray  # [n, P] logical indices (out-of-window positions hold the anchor)
-    slots: np.ndarray  # [n, P]
+    slots: np.ndarray  # [n, P] slots of the probe rows (out-of-window positions: the anchor's)
     held: np.ndarray  # [n, P] readable at the first read
     before: np.ndarray  # [n, P] stamps at the first read
-    same: np.ndarray  # [n, P] readable and in the anchor's episode (FINAL rows included)
-    step0: np.ndarray  # [n] the anchor's step in its episode
     masks: dict[str, np.ndarray]  # output masks
     end: np.ndarray  # [n] offset of the transition's last step (n-step), else 0
-    m: np.ndarray | None = None  # n-step extents
-    rewards: np.ndarray | None = None  # [n, n_step]
-    term_last: np.ndarray | None = None  # [n]
-    cache: dict | None = None  # fill's per-batch slot matrices and padding
+    nstep: _NStepRead | None = None  # n-step plans only
+    # fill's per-batch slot matrices (by offsets) and padding positions (by mask name)
+    slot_cache: dict[tuple[bytes, bool], np.ndarray] = field(default_factory=dict)
+    pad_cache: dict[str, np.ndarray | None] = field(default_factory=dict)
 
     def take(self, keep: np.ndarray) -> _Selection:
-        pick = {k: (v[keep] if isinstance(v, np.ndarray) else v) for k, v in self.__dict__.items()
-                if k not in ("masks", "cache")}
-        return _Selection(masks={k: v[keep] for k, v in self.masks.items()}, **pick)
+        return _Selection(
+            self.lanes[keep], self.anchors[keep], self.slots[keep], self.held[keep],
+            self.before[keep], {k: v[keep] for k, v in self.masks.items()}, self.end[keep],
+            None if self.nstep is None else self.nstep.take(keep),
+        )
 
     @staticmethod
     def concat(parts: list[_Selection]) -> _Selection:
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts])
+
         first = parts[0]
-        fields = {}
-        for k, v in first.__dict__.items():
-            if k in ("masks", "cache"):
-                continue
-            fields[k] = None if v is None else np.concatenate([getattr(p, k) for p in parts])
         masks = {k: np.concatenate([p.masks[k] for p in parts]) for k in first.masks}
-        return _Selection(masks=masks, **fields)
+        nstep = None
+        if first.nstep is not None:
+            nstep = _NStepRead.concat([p.nstep for p in parts if p.nstep is not None])
+        return _Selection(cat("lanes"), cat("anchors"), cat("slots"), cat("held"), cat("before"),
+                          masks, cat("end"), nstep)
 
 
 class PlanReader:
@@ -76,109 +95,123 @@ class PlanReader:
 
     def __init__(self, storage: BufferStorage, compiled: Compiled) -> None:
         self.storage = storage
-        self.c = c = compiled
-        plan = c.plan
-        self.T = plan.sequence_length
-        self.n = plan.n_step
-        self.k = plan.frame_stack
-        self.needs_next = c.want_next_obs and c.derived_next_obs
-        if self.T > 1:
-            p_lo, p_hi = 0, self.T - 1 + int(self.needs_next)
+        self.compiled = compiled
+        plan = compiled.plan
+        self.sequence_length = plan.sequence_length
+        self.n_step = plan.n_step
+        self.needs_next = compiled.want_next_obs and compiled.derived_next_obs
+        if self.sequence_length > 1:
+            p_lo, p_hi = 0, self.sequence_length - 1 + int(self.needs_next)
         else:
-            p_lo = -(self.k - 1) if plan.stacks else 0
-            p_hi = max(plan.frame_lookahead, self.n - 1 + int(self.needs_next))
+            p_lo = -(plan.frame_stack - 1) if plan.stacks else 0
+            p_hi = max(plan.frame_lookahead, self.n_step - 1 + int(self.needs_next))
         self.offsets = np.arange(p_lo, p_hi + 1, dtype=np.int64)
-        self.j0 = -p_lo  # column of offset 0
-        self.tail = strict_tail(self.T, self.needs_next) if (self.T > 1 and not plan.cross_episodes) else 0
-        spec = storage.spec
-        self.stack_offs = stack_offsets(self.k, plan.frame_lookahead) if plan.stacks else None
-        self._seq_offs = [np.arange(self.T) + s for s in (0, 1)]
-        self.next_stack = (plan.stacks and c.want_next_obs and plan.obs_field in plan.stack_fields)
-        self.term_field = plan.terminated_field if self.n > 1 else None
-        self.trunc_field = "truncated" if (self.n > 1 and "truncated" in spec) else None
+        self.anchor_column = -p_lo  # the probe column of offset 0
+        strict = self.sequence_length > 1 and not plan.cross_episodes
+        # newest rows a strict window's anchor must leave after it
+        self.tail_rows = strict_tail(self.sequence_length, self.needs_next) if strict else 0
+        self.stack_offsets = (stack_offsets(plan.frame_stack, plan.frame_lookahead)
+                              if plan.stacks else None)
+        # The frames of a stacked next_obs before its newest one: -(k-2) .. 0 around the
+        # transition's last step (None unless the plan stacks obs and the batch has next_obs).
+        self.next_stack_offsets: np.ndarray | None = None
+        if (self.stack_offsets is not None and compiled.want_next_obs
+                and plan.obs_field in plan.stack_fields):
+            self.next_stack_offsets = self.stack_offsets[self.stack_offsets <= 0][1:]
+        self._sequence_offsets = [np.arange(self.sequence_length) + s for s in (0, 1)]
+        # fields read at the transition's last step rather than at the anchor (n-step)
+        self.end_fields: tuple[str, ...] = ()
+        if self.n_step > 1:
+            self.end_fields = (plan.terminated_field,) + (
+                ("truncated",) if "truncated" in storage.spec else ())
 
     # -- selection ---------------------------------------------------------------------------------
-    def _probe(self, draw: Draw, win: Windows, want: int) -> _Selection | None:
-        storage, C = self.storage, self.storage.capacity
+    def _probe(self, draw: Draw, windows: Windows, want: int) -> _Selection:
+        storage, capacity = self.storage, self.storage.capacity
+        plan = self.compiled.plan
         anchors = draw.indices
         rows = anchors[:, None] + self.offsets[None, :]
-        lo = win.lo[draw.lanes][:, None]
-        hi = win.hi[draw.lanes][:, None]
-        inwin = (rows >= lo) & (rows < hi)
-        rows = np.where(inwin, rows, anchors[:, None])
-        slots = rows % C
+        lo = windows.lo[draw.lanes][:, None]
+        hi = windows.hi[draw.lanes][:, None]
+        in_window = (rows >= lo) & (rows < hi)
+        rows = np.where(in_window, rows, anchors[:, None])
+        slots = rows % capacity
         if storage.lanes > 1:
-            slots += (draw.lanes * C)[:, None]
+            slots += (draw.lanes * capacity)[:, None]
         before = load_stamps(storage.stamps, slots)  # stamps first ...
         meta = storage.meta[slots]  # ... then what they guard
-        held = inwin & (before == held_stamps(rows))
-        ep = meta >> L.STEP_BITS
-        final = (meta & L.FLAG_FINAL) != 0
-        j0 = self.j0
-        same = held & (ep == ep[:, j0 : j0 + 1])
-        trans = same & ~final
-        ok = trans[:, j0].copy()
-        step0 = meta[:, j0] & L.STEP_MASK
+        held = in_window & (before == held_stamps(rows))
+        episode = meta >> layout.STEP_BITS
+        final = (meta & layout.FLAG_FINAL) != 0
+        j0 = self.anchor_column
+        same = held & (episode == episode[:, j0 : j0 + 1])  # readable, in the anchor's episode
+        transition = same & ~final
+        usable = transition[:, j0].copy()
+        step0 = meta[:, j0] & layout.STEP_MASK  # the anchor's step in its episode
         masks: dict[str, np.ndarray] = {}
         n = len(anchors)
         end = np.zeros(n, np.int64)
-        sel = _Selection(draw.lanes, anchors, None, slots, held, before, None, None, masks, end)
-        if self.T > 1:
-            valid = trans[:, j0 : j0 + self.T].copy()
+        if self.sequence_length > 1:
+            length = self.sequence_length
+            valid = transition[:, j0 : j0 + length].copy()
             if self.needs_next:
-                valid &= same[:, j0 + 1 : j0 + 1 + self.T]
-            ok2, masks[MASK] = sequence_masks(valid, self.c.plan.cross_episodes)
-            return sel.take(np.flatnonzero(ok & ok2)[:want])
-        if self.n > 1:
-            cols = self.storage.columns
-            win_slots = slots[:, j0 : j0 + self.n]
-            term = cols[self.term_field][win_slots].astype(bool)
-            rewards = cols[self.c.plan.reward_field][win_slots]
+                valid &= same[:, j0 + 1 : j0 + 1 + length]
+            window_ok, masks[MASK] = sequence_masks(valid, plan.cross_episodes)
+            sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end)
+            return sel.take(np.flatnonzero(usable & window_ok)[:want])
+        nstep = None
+        if self.n_step > 1:
+            columns = storage.columns
+            step_slots = slots[:, j0 : j0 + self.n_step]
+            terminated = columns[plan.terminated_field][step_slots].astype(bool)
+            rewards = columns[plan.reward_field][step_slots]
             if self.needs_next:
-                next_known = same[:, j0 + 1 : j0 + 1 + self.n]
+                next_known = same[:, j0 + 1 : j0 + 1 + self.n_step]
             else:
-                next_known = np.ones((n, self.n), bool)
-            m = nstep_extent(trans[:, j0 : j0 + self.n], term, next_known)
-            ok &= m > 0
-            end = np.maximum(m - 1, 0)
-            sel.end, sel.m, sel.rewards = end, m, rewards
-            sel.term_last = term[np.arange(n), end]
+                next_known = np.ones((n, self.n_step), bool)
+            extent = nstep_extent(transition[:, j0 : j0 + self.n_step], terminated, next_known)
+            usable &= extent > 0
+            end = np.maximum(extent - 1, 0)
+            nstep = _NStepRead(extent, rewards, terminated[np.arange(n), end])
         elif self.needs_next:
-            ok &= same[:, j0 + 1]
-        if self.stack_offs is not None:
-            cols_idx = j0 + self.stack_offs
+            usable &= same[:, j0 + 1]
+        if self.stack_offsets is not None:
             # Frames are steps: an episode's FINAL row (derived next_obs) is not a look-ahead
             # frame, so both next_obs modes stack the same frames, and fields other than obs
             # (zero in a FINAL row) are never marked valid there.
-            ok_s, smask = stack_mask(step0, self.stack_offs, trans[:, cols_idx])
-            ok &= ok_s
-            for f in self.c.plan.stack_fields:
-                masks[f"{f}_mask"] = smask
-            if self.next_stack:
-                offs = self.stack_offs[self.stack_offs <= 0][1:]  # -(k-2) .. 0
-                cols_e = j0 + end[:, None] + offs[None, :]
-                ok_n, nmask = stack_mask(step0 + end, offs, np.take_along_axis(same, cols_e, 1))
-                ok &= ok_n
-                masks[f"{self.c.plan.next_obs_field}_mask"] = np.concatenate(
-                    [nmask, np.ones((n, 1), bool)], axis=1)
-        return sel.take(np.flatnonzero(ok)[:want])
+            stack_ok, stack_valid = stack_mask(step0, self.stack_offsets,
+                                               transition[:, j0 + self.stack_offsets])
+            usable &= stack_ok
+            for f in plan.stack_fields:
+                masks[f"{f}_mask"] = stack_valid
+            offsets = self.next_stack_offsets
+            if offsets is not None:
+                columns_at_end = j0 + end[:, None] + offsets[None, :]
+                next_ok, next_valid = stack_mask(step0 + end, offsets,
+                                                 np.take_along_axis(same, columns_at_end, 1))
+                usable &= next_ok
+                masks[f"{plan.next_obs_field}_mask"] = np.concatenate(
+                    [next_valid, np.ones((n, 1), bool)], axis=1)
+        sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep)
+        return sel.take(np.flatnonzero(usable)[:want])
 
     def _select(self, count: int, rng: np.random.Generator, max_rounds: int) -> _Selection:
         parts: list[_Selection] = []
         have = 0
         for _ in range(max_rounds):
-            win = self.storage.windows()
+            windows = self.storage.windows()
             want = count - have
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
-            lo, hi = int(win.lo[0]), int(win.hi[0]) - self.tail
+            lo, hi = int(windows.lo[0]), int(windows.hi[0]) - self.tail_rows
             if self.storage.lanes == 1 and hi > lo:
-                u = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
-                u += lo
-                draw = Draw(np.zeros(u.size, np.int64), u)
+                positions = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
+                positions += lo
+                draw = Draw(np.zeros(positions.size, np.int64), positions)
             else:
-                draw = draw_uniform(Windows(win.lo, np.maximum(win.hi - self.tail, win.lo)),
-                                    want + want // 4 + 4, rng)
-            sel = self._probe(draw, win, want)
+                anchor_windows = Windows(windows.lo,
+                                         np.maximum(windows.hi - self.tail_rows, windows.lo))
+                draw = draw_uniform(anchor_windows, want + want // 4 + 4, rng)
+            sel = self._probe(draw, windows, want)
             if len(sel.anchors):
                 parts.append(sel)
                 have += len(sel.anchors)
@@ -191,120 +224,127 @@ class PlanReader:
         )
 
     def _why(self) -> str:
-        plan = self.c.plan
-        if self.T > 1 and not plan.cross_episodes:
-            return (f"few windows of {self.T} steps lie inside one episode (episodes shorter "
-                    f"than sequence_length?). Fix: cross_episodes=True, or a shorter sequence")
+        plan = self.compiled.plan
+        if self.sequence_length > 1 and not plan.cross_episodes:
+            return (f"few windows of {self.sequence_length} steps lie inside one episode "
+                    f"(episodes shorter than sequence_length?). Fix: cross_episodes=True, or a "
+                    f"shorter sequence")
         if self.needs_next:
             return ("next_obs is derived, so only steps whose next observation is written can "
                     "be drawn: call writer.end_episode() at episode ends")
         return "the rows needed keep being overwritten or are not written yet"
 
-    # -- gathering -------------------------------------------------------------------------------------
-    def _rows_at(self, sel: _Selection, offs: np.ndarray, base: np.ndarray | None = None
+    # -- gathering ---------------------------------------------------------------------------------
+    def _rows_at(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None = None
                  ) -> np.ndarray:
-        """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offs)], computed once
-        per batch (``sel.cache``)."""
-        key = (offs.tobytes(), base is not None)
-        got = sel.cache.get(key)
+        """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offsets)], computed
+        once per batch (``sel.slot_cache``)."""
+        key = (offsets.tobytes(), base is not None)
+        got = sel.slot_cache.get(key)
         if got is None:
-            got = sel.cache[key] = self._rows_at_uncached(sel, offs, base)
+            got = sel.slot_cache[key] = self._rows_at_uncached(sel, offsets, base)
         return got
 
-    def _rows_at_uncached(self, sel: _Selection, offs: np.ndarray, base: np.ndarray | None
+    def _rows_at_uncached(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None
                           ) -> np.ndarray:
-        if base is None and offs.size > 1 and offs[-1] - offs[0] == offs.size - 1:
-            return np.ascontiguousarray(sel.slots[:, self.j0 + offs[0] : self.j0 + offs[-1] + 1])
-        cols = self.j0 + (offs if base is None else base[:, None] + offs[None, :])
-        if cols.ndim == 1:
-            return sel.slots[:, cols]
-        return np.take_along_axis(sel.slots, cols, 1)
+        j0 = self.anchor_column
+        if base is None and offsets.size > 1 and offsets[-1] - offsets[0] == offsets.size - 1:
+            return np.ascontiguousarray(sel.slots[:, j0 + offsets[0] : j0 + offsets[-1] + 1])
+        columns = j0 + (offsets if base is None else base[:, None] + offsets[None, :])
+        if columns.ndim == 1:
+            return sel.slots[:, columns]
+        return np.take_along_axis(sel.slots, columns, 1)
 
     def _pad(self, sel: _Selection, name: str) -> np.ndarray | None:
-        key = ("pad", name)
-        if key not in sel.cache:
-            sel.cache[key] = _pad_of(sel.masks[name])
-        return sel.cache[key]
+        if name not in sel.pad_cache:
+            sel.pad_cache[name] = _pad_of(sel.masks[name])
+        return sel.pad_cache[name]
 
-    def _gather(self, col: np.ndarray, slots: np.ndarray, dst: np.ndarray,
+    def _gather(self, column: np.ndarray, slots: np.ndarray, dst: np.ndarray,
                 pad: np.ndarray | None) -> None:
-        """``dst[...] = col[slots]`` (dst shaped like slots + the row shape), zeros where
-        ``mask`` is false. Contiguous destinations are gathered into directly."""
+        """``dst[...] = column[slots]`` (dst shaped like slots + the row shape), zeros at the
+        flat positions ``pad``. Contiguous destinations are gathered into directly."""
         if dst.flags.c_contiguous:
-            flat = dst.reshape(slots.size, *col.shape[1:])
-            np.take(col, slots.reshape(-1), axis=0, out=flat, mode="clip")
+            flat = dst.reshape(slots.size, *column.shape[1:])
+            np.take(column, slots.reshape(-1), axis=0, out=flat, mode="clip")
             if pad is not None:
                 flat[pad] = 0
         else:
-            dst[...] = np.take(col, slots.reshape(-1), axis=0, mode="clip").reshape(dst.shape)
+            dst[...] = np.take(column, slots.reshape(-1), axis=0, mode="clip").reshape(dst.shape)
             if pad is not None:
                 dst[np.unravel_index(pad, slots.shape)] = 0
 
     def fill(self, sel: _Selection, out: dict[str, np.ndarray]) -> None:
         """Gather every output array of ``sel`` into ``out`` (arrays of len(sel) rows)."""
-        plan, c, cols = self.c.plan, self.c, self.storage.columns
-        obs, nxt = plan.obs_field, plan.next_obs_field
-        n = len(sel.anchors)
-        j = np.zeros(n, np.int64)
-        sel.cache = {}
-        for name, _, _ in c.outputs:
+        compiled, columns = self.compiled, self.storage.columns
+        plan = compiled.plan
+        obs, next_obs = plan.obs_field, plan.next_obs_field
+        at_anchor = self._sequence_offsets[0][:1]  # offset 0
+        nstep = sel.nstep
+        for name, _, _ in compiled.outputs:
             dst = out[name]
             if name == MASK or name.endswith("_mask"):
                 dst[...] = sel.masks[name]
-            elif self.T > 1:
-                src, shift = (obs, 1) if (name == nxt and c.derived_next_obs) else (name, 0)
-                slots = self._rows_at(sel, self._seq_offs[shift])
-                self._gather(cols[src], slots, dst, self._pad(sel, MASK))
-            elif name == DISCOUNT:
-                dst[...] = nstep_discount(sel.term_last, sel.m, plan.gamma)
-            elif name == STEPS:
-                dst[...] = sel.m
-            elif self.n > 1 and name == plan.reward_field:
-                dst[...] = nstep_return(sel.rewards, sel.m, plan.gamma)
-            elif name == nxt:
-                self._fill_next(sel, dst, out)
-            elif self.stack_offs is not None and name in plan.stack_fields:
-                slots = self._rows_at(sel, self.stack_offs)
-                self._gather(cols[name], slots, dst, self._pad(sel, f"{name}_mask"))
-            elif name in (self.term_field, self.trunc_field):
-                self._gather(cols[name], self._rows_at(sel, j[:1], self._end(sel)), dst[:, None], None)
+            elif self.sequence_length > 1:
+                derived = name == next_obs and compiled.derived_next_obs
+                src, shift = (obs, 1) if derived else (name, 0)
+                slots = self._rows_at(sel, self._sequence_offsets[shift])
+                self._gather(columns[src], slots, dst, self._pad(sel, MASK))
+            elif nstep is not None and name == DISCOUNT:
+                dst[...] = nstep_discount(nstep.terminated_last, nstep.extent, plan.gamma)
+            elif nstep is not None and name == STEPS:
+                dst[...] = nstep.extent
+            elif nstep is not None and name == plan.reward_field:
+                dst[...] = nstep_return(nstep.rewards, nstep.extent, plan.gamma)
+            elif name == next_obs:
+                self._fill_next(sel, dst)
+            elif self.stack_offsets is not None and name in plan.stack_fields:
+                slots = self._rows_at(sel, self.stack_offsets)
+                self._gather(columns[name], slots, dst, self._pad(sel, f"{name}_mask"))
+            elif name in self.end_fields:
+                slots = self._rows_at(sel, at_anchor, self._end(sel))
+                self._gather(columns[name], slots, dst[:, None], None)
             else:
-                self._gather(cols[name], self._rows_at(sel, self._seq_offs[0][:1]), dst[:, None], None)
+                self._gather(columns[name], self._rows_at(sel, at_anchor), dst[:, None], None)
 
-    def _fill_next(self, sel: _Selection, dst: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    def _fill_next(self, sel: _Selection, dst: np.ndarray) -> None:
         """next_obs of each transition's last step, stacked if the plan stacks obs."""
-        c, cols = self.c, self.storage.columns
-        one = np.zeros(1, np.int64)
-        if c.derived_next_obs:
-            last_src, last_slots = cols[c.plan.obs_field], self._rows_at(sel, one + 1, self._end(sel))
+        compiled, columns = self.compiled, self.storage.columns
+        plan = compiled.plan
+        zero = np.zeros(1, np.int64)
+        if compiled.derived_next_obs:
+            last_src = columns[plan.obs_field]
+            last_slots = self._rows_at(sel, zero + 1, self._end(sel))
         else:
-            last_src, last_slots = cols[c.plan.next_obs_field], self._rows_at(sel, one, self._end(sel))
-        if not self.next_stack:
+            last_src = columns[plan.next_obs_field]
+            last_slots = self._rows_at(sel, zero, self._end(sel))
+        offsets = self.next_stack_offsets
+        if offsets is None:
             self._gather(last_src, last_slots, dst[:, None], None)
             return
-        offs = self.stack_offs[self.stack_offs <= 0][1:]
-        frames = np.empty((len(sel.anchors), len(offs), *dst.shape[2:]), dst.dtype)
-        mask = sel.masks[f"{c.plan.next_obs_field}_mask"]
-        self._gather(cols[c.plan.obs_field], self._rows_at(sel, offs, self._end(sel)), frames,
+        frames = np.empty((len(sel.anchors), len(offsets), *dst.shape[2:]), dst.dtype)
+        mask = sel.masks[f"{plan.next_obs_field}_mask"]
+        self._gather(columns[plan.obs_field], self._rows_at(sel, offsets, self._end(sel)), frames,
                      _pad_of(mask[:, :-1]))
         dst[:, :-1] = frames
         self._gather(last_src, last_slots, dst[:, -1:], None)
 
     def _end(self, sel: _Selection) -> np.ndarray | None:
-        return sel.end if self.n > 1 else None
+        return sel.end if self.n_step > 1 else None
 
     def _stable(self, sel: _Selection) -> np.ndarray:
         after = reload_stamps(self.storage.stamps, sel.slots)
         return np.logical_not(overwritten_since(sel.before, after, sel.held).any(axis=1))
 
-    # -- entry point ---------------------------------------------------------------------------------------
+    # -- entry point -------------------------------------------------------------------------------
     def read_into(self, out: dict[str, np.ndarray], rng: np.random.Generator,
                   max_retries: int) -> Draw:
-        """Fill ``out`` (every output of the plan, ``B`` rows); return the rows delivered."""
-        B = next(iter(out.values())).shape[0]
-        lanes = np.empty(B, np.int64)
-        anchors = np.empty(B, np.int64)
-        todo = np.arange(B)
+        """Fill ``out`` (every output of the plan, ``batch_size`` rows); return the rows
+        delivered."""
+        batch_size = next(iter(out.values())).shape[0]
+        lanes = np.empty(batch_size, np.int64)
+        anchors = np.empty(batch_size, np.int64)
+        todo = np.arange(batch_size)
         target = out
         for _ in range(max_retries):
             sel = self._select(todo.size, rng, max_retries)
@@ -317,13 +357,13 @@ class PlanReader:
             anchors[todo[stable]] = sel.anchors[stable]
             todo = todo[~stable]
             if not todo.size:
-                if self.T > 1:
-                    return Draw(lanes, anchors[:, None] + np.arange(self.T))
+                if self.sequence_length > 1:
+                    return Draw(lanes, anchors[:, None] + np.arange(self.sequence_length))
                 return Draw(lanes, anchors)
-            target = self.c.allocate(todo.size)
+            target = self.compiled.allocate(todo.size)
         raise SamplingError(
-            f"{todo.size} of {B} rows kept being overwritten while read, {max_retries} times "
-            f"in a row: writers lap the readers. Fix: a larger capacity (now "
+            f"{todo.size} of {batch_size} rows kept being overwritten while read, {max_retries} "
+            f"times in a row: writers lap the readers. Fix: a larger capacity (now "
             f"{self.storage.capacity} per lane) or slower writers"
         )
 

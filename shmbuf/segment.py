@@ -1,22 +1,13 @@
-"""POSIX shared-memory segments: create, attach, leases (OFD locks), cleanup and discovery.
+"""POSIX shared-memory segments: create, attach, validate the header, map, close.
 
 A ``Segment`` is one ``/dev/shm`` file mapped into this process. Its creator is its owner: the
-owner holds the ``LOCK_OWNER`` lease for as long as it lives, and unlinks the segment on
-``close()``, at normal exit (atexit, and a multiprocessing child's exit) and when a signal whose
-default action would kill it arrives. A segment whose owner lease is free was leaked by a dead
-owner; ``shmbuf gc`` removes only those.
-
-Signals: ``import shmbuf`` on the main thread replaces the default action (``SIG_DFL``) of
-SIGTERM, SIGHUP and SIGINT (where Python's KeyboardInterrupt handler is not in charge) with a
-handler that unlinks this process's own segments and then dies of the signal as before; a
-process that owns nothing sees no difference but for ``signal.getsignal``. Handlers the user
-installs, before or after, are left alone, and a handler that returns keeps the buffer alive.
-See ``_install_signal_handlers``.
+owner holds the ``LOCK_OWNER`` lease (``lease.py``) for as long as it lives, and unlinks the
+segment on ``close()``, or at exit and on a fatal signal (``cleanup.py``). A segment whose owner
+lease is free was leaked by a dead owner; ``shmbuf gc`` (``scan.py``) removes only those.
 
 Concurrency: the header is written once, by the creator, before the magic; after that it is
-read-only. Leases are OFD locks taken on a file description this process opened itself
-(``/proc/self/fd``), so they die with the process, even by SIGKILL, and are never shared with a
-forked child: children close inherited lease descriptors at fork.
+read-only. Leases are OFD locks on a file description of this process's own, so they die with
+it, and a forked child closes the ones it inherits.
 
 Headers are untrusted input (any process of the user can write /dev/shm): ``read_header``
 bounds every length before reading and validates every field, so a malformed file is a
@@ -25,30 +16,22 @@ bounds every length before reading and validates every field, so a malformed fil
 
 from __future__ import annotations
 
-import atexit
 import errno
-import fcntl
 import json
 import math
 import mmap
 import os
-import re
-import secrets
-import signal
 import stat
-import struct
-import sys
-import threading
 import time
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import posix_ipc
+import posix_ipc  # type: ignore[import-not-found]  # a C extension without stubs
 
 from . import layout as L
 from .checks import timeout_seconds
-from .slots import check_platform
+from .cleanup import forget_owned, register_owned
 from .errors import (
     BufferInUseError,
     CapacityError,
@@ -56,209 +39,16 @@ from .errors import (
     SegmentFormatError,
     SegmentNotFoundError,
 )
-
-SHM_DIR = "/dev/shm"
-DEFAULT_PREFIX = "shmbuf-"
-_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")  # matched whole (fullmatch), "." and ".." refused
-
-# struct flock on Linux x86-64 and aarch64: short l_type, short l_whence, off_t l_start,
-# off_t l_len, pid_t l_pid (l_pid must be 0 for OFD locks).
-_FLOCK = struct.Struct("hhqqi4x")
-_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
-_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+from .lease import Lease, is_locked
+from .shmdir import SHM_DIR, new_name, normalize_name, shm_free_bytes, unlink
+from .slots import check_platform
 
 
 # --------------------------------------------------------------------------------------------
-# OFD locks
+# Sizes
 # --------------------------------------------------------------------------------------------
-def try_lock(fd: int, offset: int) -> bool:
-    """Take an exclusive OFD lock on one byte at ``offset``; False if someone else holds it."""
-    try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def unlock(fd: int, offset: int) -> None:
-    fcntl.fcntl(fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
-
-
-def is_locked(fd: int, offset: int) -> bool:
-    """True if an open file description other than ``fd``'s holds the lock at ``offset``."""
-    res = fcntl.fcntl(fd, _F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
-
-
-class Lease:
-    """A file description of this process's own on a segment, holding OFD locks.
-
-    Closing it (or the process dying) releases every lock it holds. A forked child never
-    inherits a live lease: the at-fork hook closes the child's copy of the descriptor.
-    """
-
-    _live: weakref.WeakSet[Lease] = weakref.WeakSet()
-
-    def __init__(self, segment_fd: int) -> None:
-        # Re-opening through /proc gives a new open file description (dup() would share one),
-        # and works even after the name was unlinked.
-        self.fd: int | None = os.open(f"/proc/self/fd/{segment_fd}", os.O_RDWR | os.O_CLOEXEC)
-        self.pid = os.getpid()
-        Lease._live.add(self)
-
-    def try_lock(self, offset: int) -> bool:
-        if self.fd is None:
-            raise ValueError("lease is closed")
-        return try_lock(self.fd, offset)
-
-    def unlock(self, offset: int) -> None:
-        if self.fd is not None:
-            unlock(self.fd, offset)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None and self.pid == os.getpid():
-            os.close(fd)
-        Lease._live.discard(self)
-
-    def __del__(self) -> None:
-        # Last resort, not the plan: a lease dropped unclosed (e.g. a Writer never closed) must
-        # not hold its locks and descriptor for the rest of the process.
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
-
-    @classmethod
-    def _after_fork_in_child(cls) -> None:
-        for lease in list(cls._live):
-            if lease.fd is not None:
-                try:
-                    os.close(lease.fd)
-                except OSError:
-                    pass
-                lease.fd = None
-        cls._live = weakref.WeakSet()
-
-
-os.register_at_fork(after_in_child=Lease._after_fork_in_child)
-
-
-# --------------------------------------------------------------------------------------------
-# Owner cleanup: atexit, multiprocessing exits and signals
-# --------------------------------------------------------------------------------------------
-_owned: dict[str, int] = {}  # segment name -> pid of the owner that must unlink it
-# Re-entrant: the signal handler runs on the main thread, possibly while that thread is inside
-# one of the critical sections below; a plain Lock would deadlock it (the process hangs).
-_owned_lock = threading.RLock()
-# Signals whose default action ends the process without running atexit.
-CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_signals_decided = False  # whether this process has looked at their dispositions yet
-_exit_hooks: set[tuple[str, int]] = set()  # (multiprocessing util module, pid) hooked
-
-
-def _unlink_owned() -> None:
-    pid = os.getpid()
-    with _owned_lock:
-        names = [n for n, p in _owned.items() if p == pid]
-        for n in names:
-            _owned.pop(n, None)
-    for n in names:
-        unlink(n)
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    """Stands in for the default action of ``signum`` (terminate): unlink this process's own
-    segments, then die of the signal as the default action would."""
-    _unlink_owned()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _install_signal_handlers() -> None:
-    """Put ``_on_signal`` in place of the default action of SIGTERM, SIGINT and SIGHUP.
-
-    Policy (issue 8, items 8 and 9): only a signal whose disposition is ``SIG_DFL`` gets it,
-    because only the default action ends the process without running atexit. A handler of the
-    user's (installed before or after) is never wrapped or replaced: if it returns, the process
-    goes on and so does its buffer (workers restarted later still attach by name); if it ends
-    the process (``sys.exit``, an uncaught ``KeyboardInterrupt`` from Python's SIGINT handler),
-    the normal exit path unlinks. ``SIG_IGN`` stays ignored. It runs once per process, from
-    ``import shmbuf`` on the main thread (or, if shmbuf was first imported elsewhere, from the
-    first ``create`` on the main thread), so an owner created in any thread is covered; a
-    disposition the user sets afterwards, ``SIG_DFL`` included, is left as it is.
-    """
-    global _signals_decided
-    if _signals_decided or threading.current_thread() is not threading.main_thread():
-        return
-    _signals_decided = True
-    for sig in CLEANUP_SIGNALS:
-        try:
-            if signal.getsignal(sig) == signal.SIG_DFL:
-                signal.signal(sig, _on_signal)
-        except (ValueError, OSError):  # not the main interpreter, or a signal we cannot catch
-            pass
-
-
-def _hook_multiprocessing_exit() -> None:
-    """A multiprocessing child ends with ``os._exit``, skipping atexit, after running its
-    ``util`` exit finalizers: register the cleanup there too (stdlib and ``multiprocess``)."""
-    pid = os.getpid()
-    for modname in ("multiprocessing.util", "multiprocess.util"):
-        util = sys.modules.get(modname)
-        if util is None or (modname, pid) in _exit_hooks:
-            continue
-        try:
-            util.Finalize(None, _unlink_owned, exitpriority=0)
-        except Exception:  # noqa: BLE001 - an unexpected util module: atexit still covers us
-            continue
-        _exit_hooks.add((modname, pid))
-
-
-atexit.register(_unlink_owned)
-_install_signal_handlers()
-
-
-def _register_owned(name: str) -> None:
-    with _owned_lock:
-        _owned[name] = os.getpid()
-    _install_signal_handlers()
-    _hook_multiprocessing_exit()
-
-
-def _forget_owned(name: str) -> None:
-    with _owned_lock:
-        _owned.pop(name, None)
-
-
-# --------------------------------------------------------------------------------------------
-# Names, sizes, headers
-# --------------------------------------------------------------------------------------------
-def normalize_name(name: str) -> str:
-    """``'/shmbuf-x'`` or ``'shmbuf-x'`` -> ``'shmbuf-x'`` (the file name in /dev/shm)."""
-    if not isinstance(name, str):
-        raise TypeError(f"segment name must be a str, got {type(name).__name__}")
-    bare = name[1:] if name.startswith("/") else name
-    if not _NAME_RE.fullmatch(bare) or bare in (".", ".."):
-        raise ValueError(
-            f"segment name {name!r} is not valid: use 1-200 letters, digits, '_', '.', '-' "
-            f"(not '.' or '..'), e.g. 'shmbuf-myrun'"
-        )
-    return bare
-
-
-def new_name(kind: str) -> str:
-    return f"{DEFAULT_PREFIX}{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def shm_free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
-
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB`` ... ``2.0 TiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -266,13 +56,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-fmt_bytes = _fmt_bytes
-
-
 def _capacity_error(name: str, size: int, free: int) -> CapacityError:
     return CapacityError(
-        f"segment {name!r} needs {_fmt_bytes(size)} of shared memory but {SHM_DIR} has "
-        f"{_fmt_bytes(free)} free. Fix: lower capacity, or give {SHM_DIR} more room (Docker: "
+        f"segment {name!r} needs {fmt_bytes(size)} of shared memory but {SHM_DIR} has "
+        f"{fmt_bytes(free)} free. Fix: lower capacity, or give {SHM_DIR} more room (Docker: "
         f"`docker run --shm-size=<size>`; Kubernetes: an emptyDir with medium: Memory), or "
         f"remove leaked segments with `shmbuf gc`"
     )
@@ -298,6 +85,9 @@ def process_start_time(pid: int) -> int:
         return 0
 
 
+# --------------------------------------------------------------------------------------------
+# Headers
+# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Header:
     """The fixed part of a segment header plus its decoded layout document."""
@@ -386,6 +176,10 @@ class Segment:
 
     Use ``Segment.create`` (owner) or ``Segment.attach``. ``buf`` is the mmap; wrap it with
     ``np.frombuffer`` (never ``np.ndarray(buffer=...)``) so close() can tell views still exist.
+
+    Concurrency: only the creator writes the header, once, magic last; every process then reads
+    it. Who writes which word of the body is the business of the modules above (``slots.py``,
+    ``storage.py``); a ``Segment`` itself only maps, leases, unlinks and unmaps.
     """
 
     def __init__(self, name: str, fd: int, mm: mmap.mmap, header: Header, owner: bool) -> None:
@@ -399,7 +193,8 @@ class Segment:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str | None, kind: int, doc: dict[str, Any], size_of: Any) -> Segment:
+    def create(cls, name: str | None, kind: int, doc: dict[str, Any],
+               size_of: Callable[[int], int]) -> Segment:
         """Create, size and initialise a segment; the caller becomes its owner.
 
         ``size_of(json_len)`` returns the total size for a layout JSON of that many bytes.
@@ -461,15 +256,12 @@ class Segment:
                 mm.close()
             if lease is not None:
                 lease.close()
-            try:
-                posix_ipc.unlink_shared_memory("/" + bare)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink(bare)
             os.close(fd)
             raise
         seg = cls(bare, fd, mm, header, owner=True)
         seg.owner_lease = lease
-        _register_owned(bare)
+        register_owned(bare)
         return seg
 
     @classmethod
@@ -562,15 +354,11 @@ class Segment:
         return Lease(self.fd)
 
     # -- teardown ---------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self.fd is None
-
     def unlink(self) -> None:
         """Remove the name (owner only); mappings stay valid until they are closed."""
         if self.owner and self.pid == os.getpid():
             unlink(self.name)
-            _forget_owned(self.name)
+            forget_owned(self.name)
 
     def close(self) -> None:
         """Unlink (owner), drop leases, unmap. Idempotent.
@@ -613,111 +401,3 @@ def _map(fd: int, size: int) -> mmap.mmap:
         except OSError:
             pass
     return mm
-
-
-def unlink(name: str) -> bool:
-    """Unlink a segment name; False if it was already gone."""
-    try:
-        posix_ipc.unlink_shared_memory("/" + normalize_name(name))
-        return True
-    except posix_ipc.ExistentialError:
-        return False
-
-
-# --------------------------------------------------------------------------------------------
-# Discovery (CLI)
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SegmentInfo:
-    name: str
-    size: int
-    header: Header | None  # None: not (yet) initialised, or unreadable
-    alive: bool  # owner lease held
-    age: float  # seconds since the file was last changed
-    error: str | None = None  # why it is unreadable (malformed, or not ours): gc keeps it
-
-    @property
-    def kind_name(self) -> str:
-        if self.error is not None:
-            return "unknown"
-        if self.header is None:
-            return "uninitialised"
-        return L.kind_name(self.header.kind)
-
-
-def open_regular(path: str) -> int | None:
-    """Open ``path`` read-only if it is a regular file of this user; None otherwise.
-
-    Never blocks and never follows a link: anyone can put a FIFO, a device node or a symlink
-    in /dev/shm, and a plain ``open`` of a FIFO waits forever for a writer. ``lstat`` skips
-    them without opening; ``O_NONBLOCK | O_NOFOLLOW`` and an ``fstat`` check cover a file
-    swapped in between.
-    """
-    uid = os.getuid()
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-def _inspect_file(fd: int, entry: str) -> tuple[Header | None, str | None, bool]:
-    """(header, why it is unreadable, whether it is ours) of the open /dev/shm file ``entry``."""
-    header, error = None, None
-    try:
-        header = read_header(fd, entry)
-    except SegmentFormatError as e:
-        error = str(e)
-    except OSError as e:
-        error = f"segment {entry!r} cannot be read: {e}"
-    ours = entry.startswith(DEFAULT_PREFIX) or os.pread(fd, len(L.MAGIC), 0) == L.MAGIC
-    if ours and header is None and error is None:
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o077:
-            error = (f"{entry!r} has no shmbuf header and mode {mode:04o}; shmbuf creates its "
-                     f"segments with mode 0600, so it is not one of them")
-    return header, error, ours
-
-
-def scan(include_foreign: bool = False) -> list[SegmentInfo]:
-    """Every shmbuf segment of this user in /dev/shm: alive, leaked, being created, or
-    unreadable (a malformed file named ``shmbuf-*`` or carrying the magic; ``error`` says why).
-
-    Opens only regular files, without blocking; one bad file never stops the scan.
-    """
-    out: list[SegmentInfo] = []
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return out
-    for entry in entries:
-        fd = open_regular(os.path.join(SHM_DIR, entry))
-        if fd is None:
-            continue
-        try:
-            st = os.fstat(fd)
-            header, error, ours = _inspect_file(fd, entry)
-            if not ours:
-                continue
-            try:
-                alive = is_locked(fd, L.LOCK_OWNER)
-            except OSError as e:
-                alive, error = False, error or f"cannot probe {entry!r}'s owner lease: {e}"
-            age = time.time() - st.st_mtime
-            out.append(SegmentInfo(entry, st.st_size, None if error else header, alive, age,
-                                   error))
-        except OSError:
-            continue  # vanished or unreadable between the listing and now
-        finally:
-            os.close(fd)
-    return out

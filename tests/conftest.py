@@ -15,7 +15,8 @@ import time
 import multiprocess
 import pytest
 
-from shmbuf import segment as shm_segment
+from shmbuf.scan import scan
+from shmbuf.shmdir import unlink
 from tests.pool_procs import descendants
 
 SHM_DIR = "/dev/shm"
@@ -32,7 +33,7 @@ def _shm_entries() -> set[str]:
 def _ours(new: set[str]) -> list[str]:
     """The subset of new /dev/shm entries this test run is answerable for."""
     mine = {os.getpid(), *descendants(os.getpid())}
-    infos = {info.name: info for info in shm_segment.scan()}
+    infos = {info.name: info for info in scan()}
     out = []
     for name in sorted(new):
         info = infos.get(name)
@@ -57,10 +58,10 @@ def no_leaked_segments():
     while leaked and time.monotonic() < deadline:
         time.sleep(0.05)
         leaked = _ours(_shm_entries() - before)
-    infos = {info.name for info in shm_segment.scan()}
+    infos = {info.name for info in scan()}
     for name in leaked:
         if name in infos:  # only our own segments are removed; anything else is only reported
-            shm_segment.unlink(name)
+            unlink(name)
     if leaked:
         pytest.fail(f"test left {len(leaked)} entr(y/ies) in {SHM_DIR}: {leaked}", pytrace=False)
 

@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+
 # Process helpers live in tests/_helpers/processes.py; the tests call them as ``procs.X``.
 from tests._helpers.processes import descendants as descendants
 from tests._helpers.processes import kill_quietly as kill_quietly
 from tests._helpers.processes import pid_alive as pid_alive
 from tests._helpers.processes import proc_state as proc_state
+from tests._helpers.processes import reporting_child as reporting_child
 from tests._helpers.processes import wait_dead as wait_dead
 from tests._helpers.rows import RowScheme, describe_row
 
@@ -268,50 +270,51 @@ def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = F
             pool.next(timeout=30)  # keep the pool busy, like a learner would
 
 
-def limiting_pool_main(buffer_name: str, conn: Any, start_method: str, batch_size: int,
-                       samples_per_insert: tuple[float, float], min_size: int) -> None:
-    """A process that rate-limits ``buffer_name`` with a pool and then waits to be killed."""
+def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_batch: bool,
+                      pool_kwargs: dict[str, Any]) -> None:
+    """A process that runs a pool over ``buffer_name`` (``hold_a_batch``: and keeps one batch,
+    so that its worker fills the other slot and then samples no more), reports its pid, staging
+    ring and workers, then waits to be killed (no cleanup of any kind runs)."""
     from workers import SamplerPool
 
-    pool = SamplerPool(buffer_name, batch_size=batch_size, n_workers=1, n_staging=2,
-                       start_method=start_method, samples_per_insert=samples_per_insert,
-                       min_size=min_size, seed=0)
-    batch = pool.next(timeout=30)  # held: the worker fills the other slot, then samples no more
-    assert_batch_ok(batch, batch_size)
+    pool = SamplerPool(buffer_name, start_method=start_method, **pool_kwargs)
+    if hold_a_batch:
+        batch = pool.next(timeout=30)
+        assert_batch_ok(batch, pool_kwargs["batch_size"])
     conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids})
     while True:
         time.sleep(1)
 
 
 @contextlib.contextmanager
-def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str) -> Iterator[tuple[Any, dict]]:
-    """A spawned process whose pool rate-limits ``buf`` (batch 8, ratio 8, tolerance 32,
-    min_size 32), started and reported; yields (process, its report). On the way out the process,
-    its workers and the staging ring it leaks when killed are cleaned up."""
+def pool_process(buf: shmbuf.ReplayBuffer, start_method: str, hold_a_batch: bool = False,
+                 **pool_kwargs: Any) -> Iterator[tuple[Any, dict]]:
+    """A spawned ``pool_process_main`` over ``buf`` (``SamplerPool(**pool_kwargs)``), started
+    and reported; yields (process, its report). On the way out the process, then its workers
+    and the staging ring it leaks when killed, are cleaned up."""
     import multiprocess
 
-    from shmbuf.segment import unlink
+    from shmbuf.shmdir import unlink
 
     spawn = multiprocess.get_context("spawn")
-    parent_end, child_end = spawn.Pipe()
-    owner = spawn.Process(target=limiting_pool_main,
-                          args=(buf.name, child_end, start_method, 8, (8.0, 32), 32))
-    owner.start()
-    child_end.close()
     info = None
     try:
-        assert parent_end.poll(60), "the pool process never reported"
-        info = parent_end.recv()
-        yield owner, info
+        with reporting_child(spawn, pool_process_main, buf.name, start_method, hold_a_batch,
+                             pool_kwargs, what="the pool process") as (owner, _, info):
+            yield owner, info
     finally:
-        if owner.is_alive():
-            owner.kill()
-        owner.join(5)
-        parent_end.close()
         if info is not None:
             kill_quietly(info["workers"])
             wait_dead(info["workers"], 5)
             unlink(info["staging"])  # the dead process's leaked staging ring
+
+
+def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str
+                          ) -> contextlib.AbstractContextManager[tuple[Any, dict]]:
+    """A ``pool_process`` whose pool rate-limits ``buf`` (batch 8, ratio 8, tolerance 32,
+    min_size 32) and holds a batch."""
+    return pool_process(buf, start_method, hold_a_batch=True, batch_size=8, n_workers=1,
+                        n_staging=2, samples_per_insert=(8.0, 32), min_size=32, seed=0)
 
 
 def actor_parent_main(conn: Any, start_method: str, n_actors: int) -> None:

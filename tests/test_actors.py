@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf.segment import scan, unlink
+from shmbuf.scan import scan
+from shmbuf.shmdir import unlink
 from tests import pool_procs as procs
 from workers import ActorGroup
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import cli
-from shmbuf import layout as L
-from shmbuf.segment import SHM_DIR, Segment, fmt_bytes, unlink
+from shmbuf import cli, layout
+from shmbuf.segment import Segment, fmt_bytes
+from shmbuf.shmdir import SHM_DIR, unlink
 
 SPEC = shmbuf.Spec({"obs/camera": ((3, 4), "uint8"), "reward": ((), "float32")})
 SCRIPT = Path(sys.executable).with_name("shmbuf")
@@ -162,7 +162,7 @@ def test_inspect_prints_header_spec_and_lanes(live, capsys):
 def test_other_segment_kinds_show_their_header(capsys):
     """A staging ring (or any other kind) has no buffer stats: ls and inspect show its header."""
     doc = {"kind": "staging", "slots": 3}
-    seg = Segment.create(_name("staging"), L.KIND_STAGING, doc, L.header_size)
+    seg = Segment.create(_name("staging"), layout.KIND_STAGING, doc, layout.header_size)
     try:
         entry = _ls_json(capsys)[seg.name]
         assert (entry["kind"], entry["state"], entry["capacity"], entry["fill"]) == (

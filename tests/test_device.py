@@ -421,7 +421,7 @@ def test_device_cpu_delivers_owned_tensors(buf, start_method):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_fails_at_construction(buf):
-    from shmbuf.segment import scan
+    from shmbuf.scan import scan
 
     before = {s.name for s in scan()}
     with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):

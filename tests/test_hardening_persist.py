@@ -246,7 +246,7 @@ def test_interrupted_save_leaves_nothing_and_keeps_the_old_checkpoint(five, tmp_
         def update(self, nbytes: int) -> None:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(persist, "Progress", CtrlC)
+    monkeypatch.setattr(persist.snapshot, "Progress", CtrlC)
     with pytest.raises(KeyboardInterrupt):
         five.save(tmp_path / "ck", overwrite=overwrite)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
@@ -260,11 +260,11 @@ def _save_and_die(name: str, path: str, overwrite: bool) -> None:
     """Child: save the buffer ``name`` and SIGKILL itself after the first chunk is copied."""
     from shmbuf import persist as p
 
-    class Killer(p.Progress):
+    class Killer(p.snapshot.Progress):
         def update(self, nbytes: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    p.Progress = Killer
+    p.snapshot.Progress = Killer
     shmbuf.ReplayBuffer.attach(name).save(path, overwrite=overwrite)
 
 
@@ -353,7 +353,7 @@ def _records(**change: Any):
     def apply(table: np.ndarray) -> np.ndarray:
         table = np.array(table, copy=True)
         for col, v in change.items():
-            table[0, persist.RECORD_COLUMNS.index(col)] = v
+            table[0, persist.snapshot.RECORD_COLUMNS.index(col)] = v
         return table
     return apply
 
@@ -578,7 +578,7 @@ def test_a_failure_after_the_segment_exists_still_unlinks_it(saved, monkeypatch)
     def boom(*args, **kwargs):
         raise CheckpointError("injected")
 
-    monkeypatch.setattr(persist, "_restore_episodes", boom)
+    monkeypatch.setattr(persist.snapshot, "_restore_episodes", boom)
     _load_fails(saved, "injected")
 
 
@@ -608,7 +608,7 @@ def test_a_checkpoint_file_linked_to_a_device_is_refused(saved, file):
 @pytest.mark.timeout(10)
 def test_a_huge_manifest_is_refused_without_reading_it(saved):
     with open(saved / "manifest.json", "r+b") as f:
-        f.truncate(persist.MAX_MANIFEST_BYTES + 1)  # sparse: costs nothing on disk
+        f.truncate(persist.directory.MAX_MANIFEST_BYTES + 1)  # sparse: costs nothing on disk
     _load_fails(saved, "MiB")
 
 

@@ -33,10 +33,12 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import cli
+from shmbuf import cleanup, cli, shmdir
 from shmbuf import layout as L
 from shmbuf import segment as S
-from shmbuf.segment import SHM_DIR, Segment
+from shmbuf.segment import Segment
+from shmbuf.shmdir import SHM_DIR
+from tests._helpers.processes import reporting_child
 
 SPEC = shmbuf.Spec(x=((4,), "float32"))
 # magic, version, kind, total size, owner pid, owner start, created, owner uid, JSON length
@@ -169,7 +171,7 @@ def _open_on(name: str) -> tuple[list[str], list[str]]:
 def _leaked_staging() -> str:
     """A valid segment whose owner is gone: made here, then abandoned without unlinking."""
     seg = Segment.create(_name("leaked"), L.KIND_STAGING, {"kind": "staging"}, L.header_size)
-    S._forget_owned(seg.name)
+    cleanup.forget_owned(seg.name)
     seg.owner = False  # close() now drops the owner lease and unmaps, but leaves the name
     seg.close()
     return seg.name
@@ -529,22 +531,13 @@ def _owner_child(mp: Any, target: Callable[..., None], *args: Any) -> Iterator[t
     """Start ``target(conn, *args)`` in a child that creates a buffer and sends its name; yields
     (process, parent end, name). On the way out: the child is killed if still alive and the
     name is unlinked if it is still there."""
-    parent, child_end = mp.Pipe()
-    proc = mp.Process(target=target, args=(child_end, *args))
-    proc.start()
-    child_end.close()
     name = None
     try:
-        assert parent.poll(60), "the owner child never reported"
-        name = parent.recv()
-        yield proc, parent, name
+        with reporting_child(mp, target, *args, what="the owner child") as (proc, parent, name):
+            yield proc, parent, name
     finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-        parent.close()
         if name is not None:
-            S.unlink(name)
+            shmdir.unlink(name)
 
 
 @pytest.mark.timeout(90)
@@ -612,7 +605,7 @@ def test_import_installs_cleanup_only_where_the_default_action_would_terminate()
         def mine(signum, frame): pass
         signal.signal(signal.SIGHUP, mine)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        import shmbuf, shmbuf.segment as S
+        import shmbuf, shmbuf.cleanup as S
         print(signal.getsignal(signal.SIGTERM) is S._on_signal,
               signal.getsignal(signal.SIGHUP) is mine,
               signal.getsignal(signal.SIGINT) is signal.default_int_handler)
@@ -646,7 +639,7 @@ def test_every_kind_has_one_name_used_by_ls_and_inspect(capsys):
 @pytest.mark.parametrize("bad", ["ok\n", ".", "..", "/..", "/.", "a/b", "", "x" * 201, "\n"])
 def test_names_are_matched_whole_and_dot_names_refused(bad):
     with pytest.raises(ValueError, match="not valid"):
-        S.normalize_name(bad)
+        shmdir.normalize_name(bad)
     before = set(os.listdir(SHM_DIR))
     with pytest.raises(ValueError, match="not valid"):
         shmbuf.ReplayBuffer.create(SPEC, capacity=8, name=bad)
@@ -655,7 +648,7 @@ def test_names_are_matched_whole_and_dot_names_refused(bad):
 
 def test_valid_names_still_pass():
     for good in ("shmbuf-x", "/shmbuf-x", "a.b_c-D9", "...", "x" * 200):
-        assert S.normalize_name(good) == good.lstrip("/")
+        assert shmdir.normalize_name(good) == good.lstrip("/")
 
 
 def test_no_room_for_a_new_file_is_a_capacity_error(monkeypatch):

@@ -81,6 +81,16 @@ def _refused_changes_nothing(buf, call) -> str:
     return msg
 
 
+def _add_is_refused(buf, w, field: str, value) -> str:
+    """``w.add`` of a good row with ``field`` set to ``value`` is refused as above, with a
+    message naming the field, its dtype and a fix. Returns the message."""
+    row = good_row(6)
+    row[field] = value
+    msg = _refused_changes_nothing(buf, lambda: w.add(**row))
+    assert repr(field) in msg and str(buf.spec[field].dtype) in msg and "Fix" in msg
+    return msg
+
+
 # --------------------------------------------------------------------------------------------
 # Item 2: out-of-range NumPy integers (scalars and arrays) are refused before any store
 # --------------------------------------------------------------------------------------------
@@ -106,10 +116,7 @@ INT_OUT_OF_RANGE = [
                          ids=[f"{f}-{v!r}" for f, v in INT_OUT_OF_RANGE])
 def test_out_of_range_integer_is_refused_by_add_before_any_store(wrapped, field, value):
     buf, w = wrapped
-    row = good_row(6)
-    row[field] = value
-    msg = _refused_changes_nothing(buf, lambda: w.add(**row))
-    assert repr(field) in msg and str(buf.spec[field].dtype) in msg and "Fix" in msg
+    msg = _add_is_refused(buf, w, field, value)
     info = np.iinfo(buf.spec[field].dtype)
     bad = [int(x) for x in np.asarray(value).reshape(-1) if not info.min <= int(x) <= info.max]
     assert f"cannot hold {bad[0]}:" in msg and f"[{info.min}, {info.max}]" in msg
@@ -229,11 +236,7 @@ FLOAT_OVERFLOW = [
 @pytest.mark.parametrize("field,value", FLOAT_OVERFLOW,
                          ids=[f"{f}-{type(v).__name__}" for f, v in FLOAT_OVERFLOW])
 def test_finite_value_a_float_field_would_turn_into_inf_is_refused(wrapped, field, value):
-    buf, w = wrapped
-    row = good_row(6)
-    row[field] = value
-    msg = _refused_changes_nothing(buf, lambda: w.add(**row))
-    assert repr(field) in msg and str(buf.spec[field].dtype) in msg and "Fix" in msg
+    _add_is_refused(*wrapped, field, value)
 
 
 def test_float_overflow_in_extend_is_refused_including_complex(wrapped):

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-import shmbuf.segment
 from shmbuf import layout as L
 
 DTYPES = ["bool", "int8", "uint8", "int16", "float16", "int32", "float32", "int64", "uint64",

@@ -191,7 +191,7 @@ def test_rows_overwritten_during_a_save_are_dropped_oldest_first(tmp_path, monke
     with shmbuf.ReplayBuffer.create(SPEC, capacity=64) as b:
         fill(b, 0, 100)  # window [36, 100)
         row_bytes = SPEC.row_nbytes + 8
-        monkeypatch.setattr(persist, "CHUNK_BYTES", 16 * row_bytes)  # chunks of 16 rows
+        monkeypatch.setattr(persist.snapshot, "CHUNK_BYTES", 16 * row_bytes)  # chunks of 16 rows
         path = tmp_path / "ck"
         manifest_seen = []
         pending = []  # writes to make after the next chunk is copied
@@ -203,7 +203,7 @@ def test_rows_overwritten_during_a_save_are_dropped_oldest_first(tmp_path, monke
                 while pending:
                     pending.pop()()
 
-        monkeypatch.setattr(persist, "Progress", Intruder)
+        monkeypatch.setattr(persist.snapshot, "Progress", Intruder)
         with b.writer(lane=0) as w:
             # After chunk [36, 52): indices 100..139 overwrite the slots of 36..75.
             pending.append(lambda: w.extend(rows_for(0, np.arange(100, 140))))
@@ -660,3 +660,144 @@ def test_a_manifest_with_a_broken_episode_section_is_a_checkpoint_error(episodic
     doc["next_obs"] = "sideways"
     path.write_text(json.dumps(doc))
     _load_fails(tmp_path / "ck", "next_obs")
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint format, pinned: what the writer before the persist split (commit 6efd403)
+# wrote for this buffer, byte for byte in the arrays and key for key in the manifest
+# --------------------------------------------------------------------------------------------
+V1_SPEC = shmbuf.Spec({"idx": ((), "int64"), "obs/camera": ((2,), "float32")})
+V1_EP_SPEC = shmbuf.Spec(ret=((), "float32"))
+V1_MANIFEST = {  # less "created" and "source"
+    "format": "shmbuf-checkpoint", "version": 1,
+    "spec": [{"name": "idx", "shape": [], "dtype": "<i8"},
+             {"name": "obs/camera", "shape": [2], "dtype": "<f4"}],
+    "capacity": 4, "lanes": 2, "rows": 5,
+    "per_lane": [
+        {"lane": 0, "first": 2, "count": 4, "offset": 0, "episode": 1, "episode_start": 3},
+        {"lane": 1, "first": 0, "count": 1, "offset": 4, "episode": 1, "episode_start": 1},
+    ],
+    "fields": [{"name": "idx", "file": "000_idx.npy", "shape": [5], "dtype": "<i8"},
+               {"name": "obs/camera", "file": "001_obs__camera.npy", "shape": [5, 2],
+                "dtype": "<f4"}],
+    "meta": {"file": "_meta.npy", "shape": [5], "dtype": "<i8"},
+    "next_obs": "stored",
+    "episode_spec": [{"name": "ret", "shape": [], "dtype": "<f4"}],
+    "episode_capacity": 2,
+    "episodes": {"records": {"file": "_episodes.npy", "shape": [2, 5], "dtype": "<i8"},
+                 "columns": ["lane", "episode", "start", "length", "flags"],
+                 "fields": [{"name": "ret", "file": "_ep_000_ret.npy", "shape": [2],
+                             "dtype": "<f4"}]},
+}
+V1_FILES = {
+    "000_idx.npy": np.array([2, 3, 4, 5, 7], "<i8"),
+    "001_obs__camera.npy": np.array([[2, -2], [3, -3], [4, -4], [5, -5], [7, -7]], "<f4"),
+    "_meta.npy": np.array([2, 1 << 32, (1 << 32) + 1, (1 << 32) + 2, 0], "<i8"),
+    "_episodes.npy": np.array([[0, 0, 0, 3, 0], [1, 0, 0, 1, 1]], "<i8"),
+    "_ep_000_ret.npy": np.array([1.5, -2.0], "<f4"),
+}
+
+
+def v1_buffer() -> shmbuf.ReplayBuffer:
+    """Lane 0: an episode of 3 ended, 3 rows of an open one (2 overwritten); lane 1: one row,
+    truncated."""
+    b = shmbuf.ReplayBuffer.create(V1_SPEC, capacity=4, lanes=2, episode_spec=V1_EP_SPEC,
+                                   episode_capacity=2)
+    i = np.arange(6)
+    rows = {"idx": i, "obs/camera": np.stack([i, -i], 1).astype(np.float32)}
+    with b.writer(lane=0) as w:
+        w.extend({k: v[:3] for k, v in rows.items()})
+        w.end_episode(ret=1.5)
+        w.extend({k: v[3:] for k, v in rows.items()})
+    with b.writer(lane=1) as w:
+        w.add(**{"idx": 7, "obs/camera": np.array([7, -7], np.float32)})
+        w.end_episode(truncated=True, ret=-2.0)
+    return b
+
+
+def test_save_and_state_dict_write_the_version_1_format(tmp_path):
+    with v1_buffer() as b:
+        b.save(tmp_path / "ck")
+        state = b.state_dict()
+    doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert doc.pop("source").startswith("shmbuf-") and isinstance(doc.pop("created"), float)
+    assert list(doc) == list(V1_MANIFEST) and doc == V1_MANIFEST
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted([*V1_FILES,
+                                                                         "manifest.json"])
+    for file, expected in V1_FILES.items():
+        found = np.load(tmp_path / "ck" / file)
+        assert found.dtype == expected.dtype and found.tolist() == expected.tolist(), file
+    # the state dict holds the same, with arrays in place of file entries
+    assert list(state) == ["format", "version", "spec", "capacity", "lanes", "per_lane",
+                           "fields", "meta", "next_obs", "episode_spec", "episode_capacity",
+                           "episodes"]
+    assert state["format"] == "shmbuf-state"
+    for key in ("version", "spec", "capacity", "lanes", "per_lane", "next_obs", "episode_spec",
+                "episode_capacity"):
+        assert state[key] == V1_MANIFEST[key], key
+    arrays = {**{e["file"]: state["fields"][e["name"]] for e in V1_MANIFEST["fields"]},
+              "_meta.npy": state["meta"], "_episodes.npy": state["episodes"]["records"],
+              "_ep_000_ret.npy": state["episodes"]["fields"]["ret"]}
+    for file, expected in V1_FILES.items():
+        assert arrays[file].dtype == expected.dtype, file
+        assert arrays[file].tolist() == expected.tolist(), file
+
+
+def test_a_version_1_checkpoint_written_with_plain_numpy_loads(tmp_path):
+    """A checkpoint in the format of commit 6efd403, made without shmbuf's writer."""
+    path = tmp_path / "ck"
+    path.mkdir()
+    for file, values in V1_FILES.items():
+        np.save(path / file, values)
+    (path / "manifest.json").write_text(json.dumps({**V1_MANIFEST, "created": 0.0,
+                                                    "source": "elsewhere"}))
+    with shmbuf.ReplayBuffer.load(path) as loaded, v1_buffer() as original:
+        assert loaded.episode_spec == V1_EP_SPEC and loaded.capacity == 4
+        assert lane_state(loaded) == lane_state(original) == [(2, 6, 1, 3), (0, 1, 1, 1)]
+        for k, (lo, hi, _, _) in enumerate(lane_state(original)):
+            a, b = (x.get(np.arange(lo, hi), k, with_episode=True) for x in (original, loaded))
+            for name in a:
+                np.testing.assert_array_equal(b[name], a[name], f"lane {k}: {name}")
+        for name, values in original.episodes().items():
+            np.testing.assert_array_equal(loaded.episodes()[name], values, name)
+
+
+SAME_RULE_CASES = [  # (entry, value) in a manifest; and in a state dict if that differs
+    (("capacity", 0),), (("spec", 5),), (("next_obs", 5),), (("episode_capacity", "3"),),
+    (("per_lane.0.episode", -1),), (("per_lane.1.offset", 3),), (("per_lane.0.count", 5),),
+    (("fields.0.dtype", "<i4"), ("fields.idx", np.zeros(5, np.int32))),
+    (("fields.1.shape", [5, 3]), ("fields.obs/camera", np.zeros((5, 3), np.float32))),
+    (("meta.dtype", "<i4"), ("meta", np.zeros(5, np.int32))),
+    (("episodes.records.dtype", "<f8"), ("episodes.records", np.zeros((2, 5)))),
+    (("episodes.fields.0.shape", [3]), ("episodes.fields.ret", np.zeros(3, np.float32))),
+]
+
+
+def _set(doc: dict, where: str, value) -> None:
+    *parents, last = where.split(".")
+    for key in parents:
+        doc = doc[int(key)] if isinstance(doc, list) else doc[key]
+    doc[int(last) if isinstance(doc, list) else last] = value
+
+
+@pytest.mark.parametrize("changes", SAME_RULE_CASES, ids=lambda c: c[0][0])
+def test_a_manifest_and_a_state_dict_are_checked_by_the_same_rules(tmp_path, changes):
+    """The same bad entry in a manifest and in a state dict: the same message after where."""
+    manifest_change, state_change = changes[0], changes[-1]
+    with v1_buffer() as b:
+        b.save(tmp_path / "ck")
+        doc = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+        _set(doc, *manifest_change)
+        (tmp_path / "ck" / "manifest.json").write_text(json.dumps(doc))
+        state = b.state_dict()
+        _set(state, *state_change)
+        errors = []
+        with pytest.raises(CheckpointError) as info:
+            shmbuf.ReplayBuffer.load(tmp_path / "ck")
+        errors.append(str(info.value).split(": ", 1))
+        with pytest.raises(CheckpointError) as info:
+            b.load_state_dict(state)
+        errors.append(str(info.value).split(": ", 1))
+    assert errors[0][0] == str(tmp_path / "ck" / "manifest.json")
+    assert errors[1][0] == "load_state_dict()"
+    assert errors[0][1] == errors[1][1]

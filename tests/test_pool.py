@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf.segment import scan
+from shmbuf.scan import scan
 from tests import pool_procs as procs
 from workers import Batch, SamplerPool
 

@@ -19,7 +19,8 @@ import multiprocess
 import pytest
 
 import shmbuf
-from shmbuf.segment import scan, unlink
+from shmbuf.scan import scan
+from shmbuf.shmdir import unlink
 from tests import pool_procs as procs
 from workers import ActorGroup, SamplerPool
 from workers.staging import FILLING, W_GENERATION, W_OWNER, W_STATE

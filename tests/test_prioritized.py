@@ -35,6 +35,7 @@ import pytest
 import shmbuf
 from shmbuf.priority import PriorityTable
 from tests import pool_procs as procs
+from tests._helpers.threads import running
 from workers import SamplerPool
 from workers.selection import CountedSelection
 
@@ -167,6 +168,18 @@ def _set_priorities(pool: SamplerPool, buf, priorities: np.ndarray) -> tuple[np.
     return lanes, idx
 
 
+def _keep_writing(buf, lane: int, rows: int, pause: float):
+    """A loop for ``running``: extends ``lane`` by ``rows`` self-checking rows every ``pause``
+    seconds until stopped, lapping the buffer."""
+    def write(stop: threading.Event) -> None:
+        with buf.writer(lane=lane, timeout=5) as w:
+            while not stop.is_set():
+                w.extend(procs.make_batch(lane, np.arange(w.committed, w.committed + rows)))
+                time.sleep(pause)
+
+    return write
+
+
 # --------------------------------------------------------------------------------------------
 # Sampling frequencies
 # --------------------------------------------------------------------------------------------
@@ -283,17 +296,7 @@ def test_stale_updates_with_workers_and_a_live_writer(start_method):
         _set_priorities(pool, buf, np.full(64, 10.0))
         last: dict = {}
         applied = total = 0
-        stop = threading.Event()
-
-        def write() -> None:
-            with buf.writer(lane=0, timeout=5) as w:
-                while not stop.is_set():
-                    w.extend(procs.make_batch(0, np.arange(w.committed, w.committed + 3)))
-                    time.sleep(0.001)
-
-        writer = threading.Thread(target=write, daemon=True)
-        writer.start()
-        try:
+        with running(_keep_writing(buf, lane=0, rows=3, pause=0.001)):
             for step in range(150):
                 batch = pool.next(timeout=30)
                 procs.assert_batch_ok(batch, 16)
@@ -302,9 +305,6 @@ def test_stale_updates_with_workers_and_a_live_writer(start_method):
                 applied += pool.update_priorities(batch.indices, p)
                 total += 16
                 last.update(zip(keys, p.tolist()))  # duplicates: the last one wins
-        finally:
-            stop.set()
-            writer.join(10)
         assert applied + table.updates_dropped == total
         assert table.updates_dropped > 0, "the writer never overwrote a sampled row"
         assert table.max_priority == 10.0
@@ -496,22 +496,13 @@ def test_worker_sigkilled_during_prioritized_sampling(start_method):
                n_staging=4, max_restarts_per_minute=60) as pool:
         table = pool._table
         rng = np.random.default_rng(11)
-        stop = threading.Event()
-
-        def write() -> None:
-            with buf.writer(lane=1, timeout=5) as w:
-                while not stop.is_set():
-                    w.extend(procs.make_batch(1, np.arange(w.committed, w.committed + 4)))
-                    time.sleep(0.002)
 
         def take_batch() -> None:
             batch = pool.next(timeout=30)
             procs.assert_batch_ok(batch, 16)
             pool.update_priorities(batch.indices, rng.exponential(1.0, 16))
 
-        writer = threading.Thread(target=write, daemon=True)
-        writer.start()
-        try:
+        with running(_keep_writing(buf, lane=1, rows=4, pause=0.002)):
             killed = []
             for step in range(90):
                 take_batch()
@@ -529,9 +520,6 @@ def test_worker_sigkilled_during_prioritized_sampling(start_method):
                         take_batch()
             assert pool.stats()["restarts"] == 2
             assert not set(killed) & set(pool.worker_pids)
-        finally:
-            stop.set()
-            writer.join(10)
         pool.next(timeout=30)  # a last sync: every row now held is in the table
         _assert_tree_consistent(table, buf)
         assert table.sums[:, 1].sum() > 0

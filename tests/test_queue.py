@@ -19,34 +19,17 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import threading
 import time
 
-import multiprocess
 import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf.segment import unlink
 from tests import pool_procs as procs
+from tests._helpers.threads import blocked_in_thread
 from workers import ActorGroup, SamplerPool
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _in_thread(fn):
-    """Run ``fn`` in a daemon thread; the returned list gets its result or exception."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 def _add_one(w) -> int:
@@ -204,9 +187,7 @@ def test_writer_blocks_while_the_queue_is_full_then_unblocks(n_workers, start_me
         # inside next(). So with workers the rows of the batch a worker gathered after the
         # learner's last next() are released by its following next(): one batch later.
         w.timeout = 20
-        t, out = _in_thread(lambda: _add_one(w))
-        time.sleep(0.3)
-        assert not out, "the writer did not wait for room"
+        t, out = blocked_in_thread(lambda: _add_one(w), "the writer did not wait for room")
         taken = 0
         while not out and taken < 4:
             ledger.take(pool.next(timeout=30), B)
@@ -229,9 +210,7 @@ def test_closing_the_pool_releases_a_writer_blocked_by_a_full_queue(start_method
         try:
             _fill_until_full(w)
             w.timeout = 20
-            t, out = _in_thread(lambda: _add_one(w))
-            time.sleep(0.3)
-            assert not out, "the writer was not blocked"
+            t, out = blocked_in_thread(lambda: _add_one(w), "the writer was not blocked")
         finally:
             t0 = time.monotonic()
             pool.close()
@@ -243,61 +222,34 @@ def test_closing_the_pool_releases_a_writer_blocked_by_a_full_queue(start_method
             _add_one(w)
 
 
-def queue_learner_main(name: str, conn, start_method: str) -> None:
-    """A learner in its own process: a queue pool over an existing buffer; reports its pid,
-    worker pids and staging segment, then waits to be SIGKILLed without taking a batch (no
-    cleanup of any kind runs)."""
-    pool = SamplerPool(name, batch_size=8, n_workers=1, n_staging=2, sampler="queue",
-                       start_method=start_method)
-    conn.send({"pid": os.getpid(), "workers": pool.worker_pids, "staging": pool.staging_name})
-    while True:
-        time.sleep(1)
-
-
 def test_sigkilled_learner_releases_a_writer_blocked_by_its_queue(start_method):
     """The learner's process dies by SIGKILL while a writer waits on its full queue: the queue
     died with it, so the writer goes on within a second or two instead of hanging (it would
     otherwise wait for deliveries that can never come), and the learner's workers exit."""
-    spawn = multiprocess.get_context("spawn")
-    with procs.new_buffer(capacity=32, lanes=1, rows=0) as buf:
-        parent_end, child_end = spawn.Pipe()
-        learner = spawn.Process(target=queue_learner_main, args=(buf.name, child_end,
-                                                                 start_method))
-        learner.start()
-        child_end.close()
-        info = None
-        try:
-            assert parent_end.poll(60), "the learner process never reported"
-            info = parent_end.recv()
-            with buf.writer(lane=0, insert_timeout=0.3) as w:
-                deadline = time.monotonic() + 20  # the queue starts once the pool exists
-                wrote = 0
-                while True:
-                    try:
-                        _add_one(w)
-                        wrote += 1
-                    except shmbuf.RateLimitTimeout:
-                        break
-                    assert time.monotonic() < deadline and wrote < 10_000
-                w.timeout = 30
-                t, out = _in_thread(lambda: _add_one(w))
-                time.sleep(0.3)
-                assert not out, "the writer was not blocked"
-                os.kill(info["pid"], signal.SIGKILL)
-                t0 = time.monotonic()
-                t.join(10)
-                assert out and isinstance(out[0], int), out
-                assert time.monotonic() - t0 < 3
-                for _ in range(100):  # no queue any more
+    # The learner takes no batch and runs no cleanup of any kind: it is SIGKILLed.
+    with procs.new_buffer(capacity=32, lanes=1, rows=0) as buf, \
+         procs.pool_process(buf, start_method, batch_size=8, n_workers=1, n_staging=2,
+                            sampler="queue") as (learner, info):
+        with buf.writer(lane=0, insert_timeout=0.3) as w:
+            deadline = time.monotonic() + 20  # the queue starts once the pool exists
+            wrote = 0
+            while True:
+                try:
                     _add_one(w)
-            assert procs.wait_dead(info["workers"], 5) == []
-        finally:
-            if learner.is_alive():
-                learner.kill()
-            learner.join(5)
-            if info is not None:
-                procs.kill_quietly(info["workers"])
-                unlink(info["staging"])  # the dead learner's staging ring
+                    wrote += 1
+                except shmbuf.RateLimitTimeout:
+                    break
+                assert time.monotonic() < deadline and wrote < 10_000
+            w.timeout = 30
+            t, out = blocked_in_thread(lambda: _add_one(w), "the writer was not blocked")
+            os.kill(info["pid"], signal.SIGKILL)
+            t0 = time.monotonic()
+            t.join(10)
+            assert out and isinstance(out[0], int), out
+            assert time.monotonic() - t0 < 3
+            for _ in range(100):  # no queue any more
+                _add_one(w)
+        assert procs.wait_dead(info["workers"], 5) == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import shmbuf
 from shmbuf.limiter import RateLimit
 from tests import pool_procs as procs
+from tests._helpers.threads import blocked_in_thread, in_thread
 from workers import SamplerPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -232,21 +233,6 @@ def _blocks(pool: SamplerPool, timeout: float = 0.4) -> str:
     return str(info.value)
 
 
-def _in_thread(fn):
-    """Run ``fn`` in a daemon thread; the returned list gets its result or exception."""
-    out: list = []
-
-    def run():
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 # --------------------------------------------------------------------------------------------
 # min_size
 # --------------------------------------------------------------------------------------------
@@ -262,9 +248,8 @@ def test_min_size_blocks_then_unblocks(n_workers, start_method):
             assert "holds 0 of min_size=100" in _blocks(pool)
             _add_rows(w, 60)
             assert "holds 60 of min_size=100" in _blocks(pool)
-            t, out = _in_thread(lambda: pool.next(timeout=20).copy())
-            time.sleep(0.2)
-            assert not out, "next() returned before min_size was reached"
+            t, out = blocked_in_thread(lambda: pool.next(timeout=20).copy(),
+                                       "next() returned before min_size was reached", settle=0.2)
             _add_rows(w, 40)
             t.join(20)
             assert out and isinstance(out[0], dict), out
@@ -347,9 +332,7 @@ def test_writers_wait_when_they_run_ahead_then_unblock_when_the_learner_samples(
             assert len(buf) == int(committed.sum())
             # Blocks, then unblocks when the learner samples.
             w.timeout = 20
-            t, out = _in_thread(lambda: write_one() or "wrote")
-            time.sleep(0.3)
-            assert not out, "the writer did not wait"
+            t, out = blocked_in_thread(lambda: write_one() or "wrote", "the writer did not wait")
             deadline = time.monotonic() + 20
             while not out and time.monotonic() < deadline:
                 try:  # one insert is worth a quarter batch: sampling may stall again after
@@ -419,7 +402,7 @@ def test_extends_the_limiter_accepts_never_deadlock(ratio, tol, prefill, shrink,
         with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method,
                          min_size=min_size, samples_per_insert=(ratio, tol), seed=0) as pool, \
              buf.writer(lane=0, insert_timeout=5) as w:
-            t, out = _in_thread(lambda: [_add_rows(w, chunk) for _ in range(12)] and "done")
+            t, out = in_thread(lambda: [_add_rows(w, chunk) for _ in range(12)] and "done")
             deadline = time.monotonic() + 40
             while not out and time.monotonic() < deadline:
                 try:
@@ -473,9 +456,8 @@ def test_closing_the_pool_releases_a_writer_blocked_by_its_limiter(start_method)
         pool, w = _limited_writer_setup(buf, start_method)
         with w:
             before = w.committed
-            t, out = _in_thread(lambda: w.add(**procs.make_row(0, w.committed)))
-            time.sleep(0.3)
-            assert not out, "the writer was not blocked"
+            t, out = blocked_in_thread(lambda: w.add(**procs.make_row(0, w.committed)),
+                                       "the writer was not blocked")
             t0 = time.monotonic()
             pool.close()
             t.join(5)
@@ -492,9 +474,8 @@ def test_closing_a_writer_cancels_its_pending_add(start_method):
         pool, w = _limited_writer_setup(buf, start_method)
         with pool:
             before = int(buf.committed(0))
-            t, out = _in_thread(lambda: w.add(**procs.make_row(0, w.committed)))
-            time.sleep(0.3)
-            assert not out, "the writer was not blocked"
+            t, out = blocked_in_thread(lambda: w.add(**procs.make_row(0, w.committed)),
+                                       "the writer was not blocked")
             t0 = time.monotonic()
             w.close()
             t.join(5)
@@ -510,9 +491,7 @@ def test_closing_a_writer_cancels_its_pending_extend(start_method):
         pool, w = _limited_writer_setup(buf, start_method)
         with pool:
             before = int(buf.committed(0))
-            t, out = _in_thread(lambda: _add_rows(w, 2))
-            time.sleep(0.3)
-            assert not out
+            t, out = blocked_in_thread(lambda: _add_rows(w, 2), "the writer was not blocked")
             w.close()
             t.join(5)
             assert len(out) == 1 and isinstance(out[0], shmbuf.ClosedError), out
@@ -543,9 +522,8 @@ def test_limiter_of_a_killed_pool_does_not_block_writers(start_method):
                 for _ in range(1000):
                     w.add(**procs.make_row(0, w.committed))
             w.timeout = 30
-            t, out = _in_thread(lambda: w.add(**procs.make_row(0, w.committed)))
-            time.sleep(0.2)
-            assert not out
+            t, out = blocked_in_thread(lambda: w.add(**procs.make_row(0, w.committed)),
+                                       "the writer was not blocked", settle=0.2)
             os.kill(info["pid"], signal.SIGKILL)
             t0 = time.monotonic()
             t.join(10)

@@ -216,6 +216,12 @@ def check_rows(buf: ReplayBuffer, record: list[dict], lane: int = 0) -> dict[str
     return got
 
 
+def buffer_for(env: gym.Env, capacity: int, **kwargs) -> ReplayBuffer:
+    """A buffer with the fields ``Spec.from_spaces`` names for ``env``'s spaces."""
+    spec = Spec.from_spaces(env.observation_space, env.action_space)
+    return ReplayBuffer.create(spec, capacity=capacity, **kwargs)
+
+
 # ------------------------------------------------------------------------------------------------
 # Round trips
 # ------------------------------------------------------------------------------------------------
@@ -339,8 +345,7 @@ def test_tuple_observations_and_nested_dict_actions(tmp_path):
         assert_same(f["actions"]["aim"]["xy"], np.stack([a["aim"]["xy"] for a in ep["actions"]]),
                     "aim/xy")
     env = TupleEnv()
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    with ReplayBuffer.create(spec, capacity=64, lanes=2) as buf:
+    with buffer_for(env, capacity=64, lanes=2) as buf:
         with RecordEpisodes(env, buf, lane=1) as rec:
             assert rec.lane == 1
             record = play(rec, 2, seed=1)
@@ -355,8 +360,7 @@ def test_tuple_observations_and_nested_dict_actions(tmp_path):
 def test_closing_the_buffer_before_the_recorder():
     """close() after the buffer (and so the lane's writer) was closed does not raise."""
     env = ImageEnv(max_steps=100)
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    buf = ReplayBuffer.create(spec, capacity=64)
+    buf = buffer_for(env, capacity=64)
     rec = RecordEpisodes(env, buf)
     steps(rec, 2, seed=99)
     buf.close()
@@ -383,8 +387,7 @@ def test_episode_filter_every_second_episode(tmp_path):
 
 def test_episode_filter_into_a_buffer():
     env = ImageEnv()
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    with ReplayBuffer.create(spec, capacity=1024) as buf:
+    with buffer_for(env, capacity=1024) as buf:
         with RecordEpisodes(env, buf, episode_filter=lambda i: i % 2 == 1) as rec:
             record = play(rec, N_EPISODES, seed=3)
         check_rows(buf, [record[1], record[3], record[5]])
@@ -478,8 +481,7 @@ def test_close_flushes_partial_episode(tmp_path):
 
 def test_close_ends_partial_episode_in_buffer():
     env = ImageEnv(max_steps=100)
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    with ReplayBuffer.create(spec, capacity=1024) as buf:
+    with buffer_for(env, capacity=1024) as buf:
         with RecordEpisodes(env, buf) as rec:
             record = play(rec, 1, seed=4)
             record.append(steps(rec, 2, seed=99))
@@ -512,8 +514,7 @@ def test_reset_mid_episode(tmp_path):
 
 def test_reset_mid_episode_into_buffer():
     env = ImageEnv(max_steps=100)
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    with ReplayBuffer.create(spec, capacity=1024) as buf:
+    with buffer_for(env, capacity=1024) as buf:
         with RecordEpisodes(env, buf) as rec:
             partial = steps(rec, 3, seed=99)
             record = play(rec, 1, seed=8)
@@ -639,8 +640,7 @@ def test_spec_mismatch_at_construction():
 
 def test_invalid_arguments(tmp_path):
     env = ImageEnv()
-    spec = Spec.from_spaces(env.observation_space, env.action_space)
-    with ReplayBuffer.create(spec, capacity=16) as buf:
+    with buffer_for(env, capacity=16) as buf:
         with pytest.raises(ValueError, match="frame_filter applies to directory targets"):
             RecordEpisodes(env, buf, frame_filter=lambda t: True)
         with pytest.raises(ValueError, match="drop applies to directory targets"):

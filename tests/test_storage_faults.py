@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 import shmbuf
+import shmbuf.scan
 import shmbuf.segment
+import shmbuf.shmdir
 from shmbuf import layout as L
 from tests import storage_procs as procs
 
@@ -449,7 +451,7 @@ def test_owner_created_in_a_thread_unlinks_on_sigterm():
     finally:
         _stop(proc)
         if name is not None:
-            shmbuf.segment.unlink(name)
+            shmbuf.shmdir.unlink(name)
 
 
 def test_signal_while_the_owner_registry_lock_is_held_does_not_deadlock():
@@ -458,8 +460,8 @@ def test_signal_while_the_owner_registry_lock_is_held_does_not_deadlock():
     the lock it interrupted (the process would hang forever and leak its segment)."""
     code = _OWNER + """
     import os
-    import shmbuf.segment as S
-    with S._owned_lock:  # as _register_owned / _forget_owned / _unlink_owned hold it
+    import shmbuf.cleanup as S
+    with S._owned_lock:  # as register_owned / forget_owned / _unlink_owned hold it
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(10_000):  # the Python-level handler runs here, inside the lock
             pass
@@ -478,7 +480,7 @@ def test_signal_while_the_owner_registry_lock_is_held_does_not_deadlock():
     finally:
         _stop(proc)
         if name is not None:
-            shmbuf.segment.unlink(name)
+            shmbuf.shmdir.unlink(name)
 
 
 def test_owner_sigkilled_leaves_a_segment_scan_reports_dead():
@@ -488,12 +490,12 @@ def test_owner_sigkilled_leaves_a_segment_scan_reports_dead():
     name = None
     try:
         name = _readline(proc)
-        info = {s.name: s for s in shmbuf.segment.scan()}
+        info = {s.name: s for s in shmbuf.scan.scan()}
         assert info[name].alive and info[name].header.owner_pid == proc.pid
         proc.kill()
         _finish(proc)
         assert os.path.exists(_path(name))
-        info = {s.name: s for s in shmbuf.segment.scan()}
+        info = {s.name: s for s in shmbuf.scan.scan()}
         assert name in info and info[name].alive is False
         # Its data is intact and readable by anyone who attaches.
         with shmbuf.ReplayBuffer.attach(name) as b:
@@ -502,7 +504,7 @@ def test_owner_sigkilled_leaves_a_segment_scan_reports_dead():
     finally:
         _stop(proc)
         if name is not None:
-            shmbuf.segment.unlink(name)
+            shmbuf.shmdir.unlink(name)
     assert not os.path.exists(_path(name))
 
 
@@ -537,12 +539,12 @@ def test_forked_child_does_not_keep_a_dead_owner_alive():
         child, child_saw = _readline(proc).split()
         child = int(child)
         assert child_saw == "ClosedError"
-        info = {s.name: s for s in shmbuf.segment.scan()}
+        info = {s.name: s for s in shmbuf.scan.scan()}
         assert info[name].alive
         proc.kill()
         proc.wait(10)
         assert os.path.exists(f"/proc/{child}"), "the forked child should still be running"
-        info = {s.name: s for s in shmbuf.segment.scan()}
+        info = {s.name: s for s in shmbuf.scan.scan()}
         assert info[name].alive is False, "a forked child keeps a dead owner looking alive"
         with shmbuf.ReplayBuffer.attach(name) as b:
             assert not b.writer_alive(0)
@@ -556,7 +558,7 @@ def test_forked_child_does_not_keep_a_dead_owner_alive():
             except ProcessLookupError:
                 pass
         if name is not None:
-            shmbuf.segment.unlink(name)
+            shmbuf.shmdir.unlink(name)
 
 
 def test_forked_child_exiting_normally_does_not_unlink_the_owners_segment():

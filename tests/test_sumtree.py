@@ -2,9 +2,9 @@
 
 Property tests (hypothesis) with random batches of leaf updates, duplicates included: every
 internal node is exactly the sum (and min over positive leaves) of its two children, the root is
-the sum of the leaves, ``rebuild`` reproduces what ``update`` built, ``descend`` maps a prefix sum
-to the leaf ``np.searchsorted`` finds on the cumulative sum, and ``sample`` never returns a zero
-leaf while some leaf is positive. Floating point can still land a descent on a zero leaf (and a
+the sum of the leaves, a full rebuild from the leaves reproduces what ``update`` built,
+``descend`` maps a prefix sum to the leaf ``np.searchsorted`` finds on the cumulative sum, and
+``sample`` never returns a zero leaf while some leaf is positive. Floating point can still land a descent on a zero leaf (and a
 reader that descends while the learner updates can see a leaf change under it): the last test
 checks that ``PriorityTable.draw`` redraws such leaves instead of delivering them.
 """
@@ -73,13 +73,39 @@ def apply_model(model: np.ndarray, lanes: np.ndarray, leaves: np.ndarray, values
         model[k, j] = v
 
 
+def new_trees(lanes: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty (sums, mins) trees, ``[lanes, 2P]`` each."""
+    P = sumtree.tree_size(capacity)
+    return np.zeros((lanes, 2 * P)), np.full((lanes, 2 * P), np.inf)
+
+
+def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
+    """The reference for ``update``'s ancestors: every internal node recomputed from the
+    leaves, level by level."""
+    P = sums.shape[1] // 2
+    mins[:, P:] = np.where(sums[:, P:] > 0, sums[:, P:], np.inf)
+    n = P
+    while n > 1:
+        half = n // 2
+        sums[:, half:n] = sums[:, n : 2 * n : 2] + sums[:, n + 1 : 2 * n : 2]
+        mins[:, half:n] = np.minimum(mins[:, n : 2 * n : 2], mins[:, n + 1 : 2 * n : 2])
+        n = half
+
+
 def build(lanes: int, capacity: int, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    sums, mins = sumtree.new_trees(lanes, capacity)
+    sums, mins = new_trees(lanes, capacity)
     model = np.zeros((lanes, sumtree.tree_size(capacity)))
     for ln, leaf, val in batches:
         sumtree.update(sums, mins, ln, leaf, val)
         apply_model(model, ln, leaf, val)
     return sums, mins, model
+
+
+def lanes_with_leaves(sums: np.ndarray, model: np.ndarray):
+    """(lane, root sum, cumulative leaf sums) of each lane with a positive leaf."""
+    for k in range(model.shape[0]):
+        if sums[k, 1] != 0:
+            yield k, sums[k, 1], np.cumsum(model[k])
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,7 +115,7 @@ def build(lanes: int, capacity: int, batches) -> tuple[np.ndarray, np.ndarray, n
                                          (1 << 20, 1 << 20), ((1 << 20) + 1, 1 << 21)])
 def test_tree_size_is_the_next_power_of_two(capacity, P):
     assert sumtree.tree_size(capacity) == P
-    sums, mins = sumtree.new_trees(2, min(capacity, 4096))
+    sums, mins = new_trees(2, min(capacity, 4096))
     assert sums.shape == mins.shape == (2, 2 * sumtree.tree_size(min(capacity, 4096)))
     assert (sums == 0).all() and (mins == np.inf).all()
 
@@ -116,13 +142,13 @@ def test_rebuild_reproduces_the_trees_update_built(case):
     P = s2.shape[1] // 2
     s2[:, 1:P] = -1.0  # garbage in every internal node (node 0 is unused)
     m2[:, 1:P] = -1.0
-    sumtree.rebuild(s2, m2)
+    rebuild(s2, m2)
     np.testing.assert_array_equal(s2, sums)
     np.testing.assert_array_equal(m2, mins)
 
 
 def test_update_with_no_leaves_changes_nothing():
-    sums, mins = sumtree.new_trees(2, 8)
+    sums, mins = new_trees(2, 8)
     sumtree.update(sums, mins, np.array([0, 1]), np.array([3, 7]), np.array([2.0, 5.0]))
     s, m = sums.copy(), mins.copy()
     empty = np.zeros(0, np.int64)
@@ -142,11 +168,7 @@ def test_descend_finds_the_leaf_whose_prefix_interval_holds_u(case, seed):
     an empty interval and are never returned. Integer u hit every interval boundary."""
     sums, _, model = build(*case)
     rng = np.random.default_rng(seed)
-    for k in range(model.shape[0]):
-        total = sums[k, 1]
-        if total == 0:
-            continue
-        cum = np.cumsum(model[k])
+    for k, total, cum in lanes_with_leaves(sums, model):
         u = np.concatenate([np.arange(int(total)), rng.random(64) * total])  # boundaries too
         got = sumtree.descend(sums, np.full(u.size, k), u)
         np.testing.assert_array_equal(got, np.searchsorted(cum, u, side="right"))
@@ -160,11 +182,7 @@ def test_descend_agrees_with_searchsorted_away_from_rounding(case, seed):
     compare only draws that are not within a relative 1e-9 of an interval boundary."""
     sums, _, model = build(*case)
     rng = np.random.default_rng(seed)
-    for k in range(model.shape[0]):
-        total = sums[k, 1]
-        if total == 0:
-            continue
-        cum = np.cumsum(model[k])
+    for k, total, cum in lanes_with_leaves(sums, model):
         u = rng.random(256) * total
         near = (np.abs(u[:, None] - cum[None, :]) <= 1e-9 * total).any(axis=1)
         u = u[~near]
@@ -191,7 +209,7 @@ def test_sample_never_returns_a_zero_leaf_while_some_are_positive(case, seed):
 def test_sample_frequencies_follow_the_leaves_across_lanes():
     """A quick statistical sanity check of the pure sampler (the full chi-square tests of the
     pool are in test_prioritized.py): lane and leaf frequencies within 5 sigma."""
-    sums, mins = sumtree.new_trees(3, 5)
+    sums, mins = new_trees(3, 5)
     values = np.array([[1, 2, 0, 3, 4], [0, 0, 0, 0, 0], [10, 0, 0, 0, 5]], float)
     ln, leaf = np.nonzero(np.ones_like(values))
     sumtree.update(sums, mins, ln, leaf, values.reshape(-1))

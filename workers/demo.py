@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from shmbuf import ReplayBuffer, Spec
-from shmbuf.segment import fmt_bytes, shm_free_bytes
+from shmbuf.segment import fmt_bytes
+from shmbuf.shmdir import shm_free_bytes
 
 from .actors import ActorContext, ActorGroup
 from .envs import SyntheticAtari, transition_spec_kwargs

@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-
-
 FORMAT = "shmbuf-episode"
 VERSION = 1
 FILE_PATTERN = re.compile(r"^episode-(\d{6,})\.npz$")

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-
 from .format import FORMAT, VERSION, _rebuild
 from .sinks import _episode_files
 

@@ -17,8 +17,8 @@ import numpy as np
 from ..buffer import ReplayBuffer
 from ..errors import SpecMismatchError
 from ..spec import Spec
-
 from .format import FILE_PATTERN, FORMAT, VERSION, _leaf, _leaf_paths, _name, _tree
+
 
 # --------------------------------------------------------------------------------------------
 # Sinks: where a recorded episode goes. The wrapper calls start / step / finish for recorded
@@ -54,33 +54,35 @@ class _BufferSink:
         spec = buffer.spec
         _check_fields(spec, observation_space, action_space)
         obs_paths = _leaf_paths(observation_space)
-        self._obs = [(_name("obs", p), p) for p in obs_paths if _name("obs", p) in spec]
-        self._next = [(_name("next_obs", p), p) for p in obs_paths if _name("next_obs", p) in spec]
+        self._obs_fields = [(_name("obs", p), p) for p in obs_paths if _name("obs", p) in spec]
+        self._next_obs_fields = [(_name("next_obs", p), p) for p in obs_paths
+                                 if _name("next_obs", p) in spec]
         if buffer.derived_next_obs:  # the spec has "obs" only; its writer takes next_obs too
-            self._next = [("next_obs", p) for name, p in self._obs if name == "obs"]
-        self._act = [(_name("action", p), p) for p in _leaf_paths(action_space)]
-        self._prev: dict[str, np.ndarray] = {}
+            self._next_obs_fields = [("next_obs", p) for name, p in self._obs_fields
+                                     if name == "obs"]
+        self._action_fields = [(_name("action", p), p) for p in _leaf_paths(action_space)]
+        self._previous_obs: dict[str, np.ndarray] = {}
         self.writer = buffer.writer(lane)  # last: nothing above changes shared state
 
     def _keep_obs(self, obs: Any) -> None:
         # A copy: envs may hand out the same array every step and change it in place.
-        self._prev = {name: np.array(_leaf(obs, path)) for name, path in self._obs}
+        self._previous_obs = {name: np.array(_leaf(obs, path)) for name, path in self._obs_fields}
 
     def start(self, obs: Any) -> None:
         self._keep_obs(obs)
 
     def step(self, t: int, action: Any, obs: Any, reward: Any, terminated: bool,
              truncated: bool) -> None:
-        row: dict[str, Any] = dict(self._prev)
-        for name, path in self._next:
+        row: dict[str, Any] = dict(self._previous_obs)
+        for name, path in self._next_obs_fields:
             row[name] = _leaf(obs, path)
-        for name, path in self._act:
+        for name, path in self._action_fields:
             row[name] = _leaf(action, path)
         row["reward"] = reward
         row["terminated"] = terminated
         row["truncated"] = truncated
         self.writer.add(**row)
-        if self._obs:
+        if self._obs_fields:
             self._keep_obs(obs)
 
     def finish(self, index: int, length: int, terminated: bool, truncated: bool,
@@ -103,7 +105,8 @@ def _check_fields(spec: Spec, observation_space: Any, action_space: Any) -> None
     try:
         expected = Spec.from_spaces(observation_space, action_space)
     except SpecMismatchError as e:
-        raise SpecMismatchError(f"RecordEpisodes cannot record this env into a buffer: {e}") from None
+        raise SpecMismatchError(
+            f"RecordEpisodes cannot record this env into a buffer: {e}") from None
     unknown = [n for n in spec if n not in expected]
     if unknown:
         raise SpecMismatchError(
@@ -140,7 +143,7 @@ class _DirectorySink:
                  compress: bool) -> None:
         self.directory = directory
         self._frame_filter = frame_filter
-        self._save = np.savez_compressed if compress else np.savez
+        self._save: Callable[..., None] = np.savez_compressed if compress else np.savez
         self._drop = drop
         self._obs_paths = [] if "observations" in drop else _leaf_paths(observation_space)
         self._act_paths = [] if "actions" in drop else _leaf_paths(action_space)
@@ -154,29 +157,29 @@ class _DirectorySink:
         self._number = _next_number(directory)
 
     def start(self, obs: Any) -> None:
-        self._obs: list[list[np.ndarray]] = [[] for _ in self._obs_paths]
+        self._kept_obs: list[list[np.ndarray]] = [[] for _ in self._obs_paths]
         self._templates = [np.asarray(_leaf(obs, p)) for p in self._obs_paths]
-        for path, t in zip(self._obs_paths, self._templates):
-            if t.dtype == object:
+        for path, template in zip(self._obs_paths, self._templates):
+            if template.dtype == object:
                 raise SpecMismatchError(
                     f"RecordEpisodes: observation {_name('observations', path)!r} is not a "
                     f"numeric array (got {type(_leaf(obs, path)).__name__}). Fix: "
                     f"drop=('observations',)"
                 )
         self._steps: list[int] = []
-        self._actions: list[list[np.ndarray]] = [[] for _ in self._act_paths]
+        self._kept_actions: list[list[np.ndarray]] = [[] for _ in self._act_paths]
         self._rewards: list[float] = []
         self._keep(0, obs)
 
     def _keep(self, t: int, obs: Any) -> None:
         if self._obs_paths and (self._frame_filter is None or self._frame_filter(t)):
             self._steps.append(t)
-            for kept, path in zip(self._obs, self._obs_paths):
+            for kept, path in zip(self._kept_obs, self._obs_paths):
                 kept.append(np.array(_leaf(obs, path)))  # a copy (envs may reuse the array)
 
     def step(self, t: int, action: Any, obs: Any, reward: Any, terminated: bool,
              truncated: bool) -> None:
-        for kept, path in zip(self._actions, self._act_paths):
+        for kept, path in zip(self._kept_actions, self._act_paths):
             kept.append(np.array(_leaf(action, path)))
         self._rewards.append(float(reward))
         self._keep(t, obs)
@@ -184,11 +187,11 @@ class _DirectorySink:
     def finish(self, index: int, length: int, terminated: bool, truncated: bool,
                complete: bool) -> None:
         arrays: dict[str, np.ndarray] = {"_header": np.array(json.dumps(self._header))}
-        for path, kept, tmpl in zip(self._obs_paths, self._obs, self._templates):
-            arrays[_name("observations", path)] = _stack(kept, tmpl)
+        for path, kept, template in zip(self._obs_paths, self._kept_obs, self._templates):
+            arrays[_name("observations", path)] = _stack(kept, template)
         if self._obs_paths and self._frame_filter is not None:
             arrays["observation_steps"] = np.asarray(self._steps, dtype=np.int64)
-        for path, kept in zip(self._act_paths, self._actions):
+        for path, kept in zip(self._act_paths, self._kept_actions):
             arrays[_name("actions", path)] = np.stack(kept)
         if "rewards" not in self._drop:
             arrays["rewards"] = np.asarray(self._rewards, dtype=np.float64)
@@ -197,7 +200,7 @@ class _DirectorySink:
         arrays["complete"] = np.array(complete)
         arrays["length"] = np.array(length, dtype=np.int64)
         arrays["episode_index"] = np.array(index, dtype=np.int64)
-        self._obs, self._actions, self._rewards = [], [], []
+        self._kept_obs, self._kept_actions, self._rewards = [], [], []
         self.files.append(self._write(arrays))
 
     def _write(self, arrays: dict[str, np.ndarray]) -> Path:
@@ -252,9 +255,9 @@ def _episode_files(directory: Path) -> list[tuple[int, Path]]:
         raise FileNotFoundError(f"no recording directory {str(directory)!r}") from None
     found = []
     for name in names:
-        m = FILE_PATTERN.match(name)
-        if m:
-            found.append((int(m.group(1)), directory / name))
+        match = FILE_PATTERN.match(name)
+        if match:
+            found.append((int(match.group(1)), directory / name))
     found.sort()
     return found
 

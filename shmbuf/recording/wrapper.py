@@ -8,19 +8,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..buffer import ReplayBuffer
 from ..errors import ClosedError
-
 from .format import DROPPABLE
 from .sinks import _BufferSink, _CountSink, _DirectorySink
+
+if TYPE_CHECKING:
+    # Every instance is a gymnasium.Wrapper (see _with_gym_wrapper), so type it as one.
+    from gymnasium import Wrapper as _WrapperBase
+else:
+    _WrapperBase = object
 
 # --------------------------------------------------------------------------------------------
 # The wrapper
 # --------------------------------------------------------------------------------------------
 _GYM_CLASSES: dict[type, type] = {}
+
 
 def _with_gym_wrapper(cls: type) -> type:
     """``cls`` with ``gymnasium.Wrapper`` as a base, made once per class on first use, so that
@@ -43,7 +48,7 @@ def _with_gym_wrapper(cls: type) -> type:
     return made
 
 
-class RecordEpisodes:
+class RecordEpisodes(_WrapperBase):
     """A gymnasium wrapper that records every action, observation and reward of every episode.
 
     For an episode of N steps that is actions ``[N]``, observations ``[N + 1]`` (the one from
@@ -162,7 +167,7 @@ class RecordEpisodes:
         self._decided: tuple[int, bool] | None = None  # (index, record?) of the last reset
         self._in_episode = False
         self._recording = False
-        self._t = 0
+        self._steps_taken = 0
         self._return = 0.0
         self._closed = False
 
@@ -173,8 +178,8 @@ class RecordEpisodes:
         if isinstance(target, ReplayBuffer):
             self._sink = _BufferSink(target, obs_space, act_space, lane)
             self.buffer = target
-        elif is_dir:
-            self.directory = Path(target)  # type: ignore[arg-type]
+        elif isinstance(target, (str, os.PathLike)):
+            self.directory = Path(target)
             self._sink = _DirectorySink(self.directory, obs_space, act_space, drop_set,
                                         frame_filter, compress)
         elif target is None:
@@ -212,7 +217,7 @@ class RecordEpisodes:
               ) -> tuple[Any, dict[str, Any]]:
         """Reset the env; an episode still running is first recorded as cut short."""
         self._check_open()
-        if self._in_episode and self._t > 0:
+        if self._in_episode and self._steps_taken > 0:
             self._finish(terminated=False, truncated=True, complete=False)
         obs, info = self.env.reset(seed=seed, options=options)
         index = self._seen  # an episode without a step is not counted: its index is reused
@@ -221,7 +226,7 @@ class RecordEpisodes:
             self._decided = (index, record)
         self._recording = self._decided[1]
         self._in_episode = True
-        self._t = 0
+        self._steps_taken = 0
         self._return = 0.0
         if self._recording:
             self._sink.start(obs)
@@ -238,13 +243,14 @@ class RecordEpisodes:
                 "RecordEpisodes: call reset() before the first step()"
             )
         obs, reward, terminated, truncated, info = self.env.step(action)
-        if self._t == 0:
+        if self._steps_taken == 0:
             self._seen += 1
-        self._t += 1
+        self._steps_taken += 1
         if self._recording:
             self.steps_recorded += 1
             self._return += float(reward)
-            self._sink.step(self._t, action, obs, reward, bool(terminated), bool(truncated))
+            self._sink.step(self._steps_taken, action, obs, reward, bool(terminated),
+                            bool(truncated))
         if terminated or truncated:
             self._finish(bool(terminated), bool(truncated), complete=True)
         return obs, reward, terminated, truncated, info
@@ -252,9 +258,9 @@ class RecordEpisodes:
     def _finish(self, terminated: bool, truncated: bool, complete: bool) -> None:
         self._in_episode = False
         if self._recording:
-            self._sink.finish(self._seen - 1, self._t, terminated, truncated, complete)
+            self._sink.finish(self._seen - 1, self._steps_taken, terminated, truncated, complete)
             self.episodes_recorded += 1
-            self.episode_lengths.append(self._t)
+            self.episode_lengths.append(self._steps_taken)
             self.episode_returns.append(self._return)
 
     def close(self) -> None:
@@ -266,7 +272,7 @@ class RecordEpisodes:
             return
         self._closed = True
         try:
-            if self._in_episode and self._t > 0:
+            if self._in_episode and self._steps_taken > 0:
                 self._finish(terminated=False, truncated=True, complete=False)
         finally:
             try:
@@ -277,8 +283,9 @@ class RecordEpisodes:
     def __enter__(self) -> RecordEpisodes:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         self.close()
+        return False  # exceptions propagate
 
     def __reduce__(self) -> Any:
         raise TypeError(

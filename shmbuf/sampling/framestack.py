@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def stack_offsets(k: int, lookahead: int) -> np.ndarray:
-    return np.arange(-(k - 1), lookahead + 1, dtype=np.int64)
+def stack_offsets(frame_stack: int, lookahead: int) -> np.ndarray:
+    """The frames' offsets from the step: ``-(frame_stack-1) .. lookahead``."""
+    return np.arange(-(frame_stack - 1), lookahead + 1, dtype=np.int64)
 
 
 def stack_mask(

@@ -16,13 +16,13 @@ def nstep_extent(valid: np.ndarray, terminated: np.ndarray, next_known: np.ndarr
     ``valid[b, j]``: row t+j is a readable transition of the anchor's episode; ``terminated[b,
     j]`` its terminated flag; ``next_known[b, j]``: the observation after row t+j is readable.
     """
-    B, n = valid.shape
-    cont = valid.copy()
-    cont[:, 1:] &= ~terminated[:, :-1].astype(bool)  # nothing after a terminal step counts
-    cont = np.logical_and.accumulate(cont, axis=1)
-    m = cont.sum(axis=1)
+    rows, n = valid.shape
+    counts = valid.copy()
+    counts[:, 1:] &= ~terminated[:, :-1].astype(bool)  # nothing after a terminal step counts
+    counts = np.logical_and.accumulate(counts, axis=1)
+    m = counts.sum(axis=1)
     last = np.clip(m - 1, 0, n - 1)
-    unknown = (m > 0) & ~next_known[np.arange(B), last]
+    unknown = (m > 0) & ~next_known[np.arange(rows), last]
     return m - unknown.astype(m.dtype)
 
 

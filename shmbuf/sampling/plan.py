@@ -10,7 +10,7 @@ does the reading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,7 +66,8 @@ class Plan:
             raise ValueError(f"frame_lookahead must be an int >= 0, got {self.frame_lookahead!r}")
         if not 0.0 <= float(self.gamma) <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
-        if self.sequence_length > 1 and (self.frame_stack > 1 or self.frame_lookahead or self.n_step > 1):
+        stacks_or_accumulates = self.frame_stack > 1 or self.frame_lookahead or self.n_step > 1
+        if self.sequence_length > 1 and stacks_or_accumulates:
             raise ValueError(
                 "sequence_length cannot be combined with frame_stack or n_step: sequences already "
                 "hold consecutive steps. Stack or accumulate them in the learner"
@@ -94,10 +95,9 @@ class Compiled:
     want_next_obs: bool  # the batch has a next_obs (stored or derived)
     outputs: tuple[tuple[str, tuple[int, ...], np.dtype], ...]  # (name, shape w/o batch, dtype)
     index_shape: tuple[int, ...]  # () per row, (T,) for sequences
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def allocate(self, batch_size: int) -> dict[str, np.ndarray]:
-        return {n: np.empty((batch_size, *s), d) for n, s, d in self.outputs}
+        return {name: np.empty((batch_size, *shape), dtype) for name, shape, dtype in self.outputs}
 
 
 def compile_plan(plan: Plan, spec: Any, derived_next_obs: bool,
@@ -132,14 +132,14 @@ def compile_plan(plan: Plan, spec: Any, derived_next_obs: bool,
 
     if derived_next_obs and want_next:
         need(obs, "deriving next_obs")
-    T = plan.sequence_length
+    length = plan.sequence_length
     outputs: list[tuple[str, tuple[int, ...], np.dtype]] = []
-    if T > 1:
+    if length > 1:
         for name in wanted:
             src = obs if (name == plan.next_obs_field and derived_next_obs) else name
-            outputs.append((name, (T, *spec[src].shape), spec[src].dtype))
-        outputs.append((MASK, (T,), np.dtype(np.bool_)))
-        return Compiled(plan, tuple(read), derived_next_obs, want_next, tuple(outputs), (T,))
+            outputs.append((name, (length, *spec[src].shape), spec[src].dtype))
+        outputs.append((MASK, (length,), np.dtype(np.bool_)))
+        return Compiled(plan, tuple(read), derived_next_obs, want_next, tuple(outputs), (length,))
 
     width = plan.frame_stack + plan.frame_lookahead
     if plan.stacks:
@@ -163,8 +163,8 @@ def compile_plan(plan: Plan, spec: Any, derived_next_obs: bool,
             outputs.append((name, (plan.frame_stack, *shape), dtype))
             outputs.append((f"{name}_mask", (plan.frame_stack,), np.dtype(np.bool_)))
         elif plan.n_step > 1 and name == plan.reward_field:
-            rdt = dtype if dtype.kind == "f" else np.dtype(np.float32)
-            outputs.append((name, shape, rdt))
+            return_dtype = dtype if dtype.kind == "f" else np.dtype(np.float32)
+            outputs.append((name, shape, return_dtype))
         else:
             outputs.append((name, shape, dtype))
     if plan.n_step > 1:

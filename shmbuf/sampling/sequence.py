@@ -1,4 +1,4 @@
-"""Sequences: windows of T consecutive steps of one lane.
+"""Sequences: windows of ``sequence_length`` (T) consecutive steps of one lane.
 
 Strict windows never cross an episode boundary; crossing windows are masked to the steps of the
 episode they start in (a prefix), the rest padded by the reader.
@@ -15,10 +15,9 @@ def sequence_masks(valid: np.ndarray, cross_episodes: bool) -> tuple[np.ndarray,
     if cross_episodes:
         mask = np.logical_and.accumulate(valid, axis=1)
         return mask[:, 0].copy(), mask
-    ok = valid.all(axis=1)
-    return ok, np.ones_like(valid)
+    return np.all(valid, axis=1), np.ones_like(valid)
 
 
-def strict_tail(T: int, needs_next: bool) -> int:
+def strict_tail(sequence_length: int, needs_next: bool) -> int:
     """How many newest rows a strict window's start must leave after it."""
-    return T - 1 + (1 if needs_next else 0)
+    return sequence_length - 1 + (1 if needs_next else 0)

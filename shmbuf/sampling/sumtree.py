@@ -1,10 +1,10 @@
 """Sum and min trees over per-lane leaves, vectorised over batches: pure NumPy, no shared memory.
 
 Each lane has a binary tree in a ``[2P]`` float64 array (P = capacity rounded up to a power of
-two): node 1 is the root, node n's children are 2n and 2n+1, leaf j is node ``P + j``. The sum
-tree holds the sum of its subtree's leaves, the min tree the smallest positive leaf (+inf for
-none). Updates set a batch of leaves and recompute their ancestors level by level, one NumPy
-call per level: O(log P) calls for the whole batch, O(B log P) work.
+two; ``width`` = 2P): node 1 is the root, node n's children are 2n and 2n+1, leaf j is node
+``P + j``. The sum tree holds the sum of its subtree's leaves, the min tree the smallest
+positive leaf (+inf for none). Updates set a batch of leaves and recompute their ancestors
+level by level, one NumPy call per level: O(log P) calls for the whole batch, O(B log P) work.
 """
 
 from __future__ import annotations
@@ -18,13 +18,8 @@ def tree_size(capacity: int) -> int:
 
 
 def depth(P: int) -> int:
+    """Levels below the root of a tree with P leaves."""
     return P.bit_length() - 1
-
-
-def new_trees(lanes: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Empty (sums, mins) trees, ``[lanes, 2P]`` each."""
-    P = tree_size(capacity)
-    return np.zeros((lanes, 2 * P)), np.full((lanes, 2 * P), np.inf)
 
 
 def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.ndarray,
@@ -35,17 +30,17 @@ def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.nda
     """
     if leaves.size == 0:
         return
-    twoP = sums.shape[1]
-    P = twoP // 2
-    flat_s, flat_m = sums.reshape(-1), mins.reshape(-1)
-    base = lanes.astype(np.int64) * twoP
-    f = base + P + leaves.astype(np.int64)
-    flat_s[f] = values
-    flat_m[f] = np.where(values > 0, values, np.inf)
+    width = sums.shape[1]
+    P = width // 2
+    flat_sums, flat_mins = sums.reshape(-1), mins.reshape(-1)
+    base = lanes.astype(np.int64) * width
+    flat_leaves = base + P + leaves.astype(np.int64)
+    flat_sums[flat_leaves] = values
+    flat_mins[flat_leaves] = np.where(values > 0, values, np.inf)
     # Work per tree level on (lane base, node): sorted and unique once, the parents of a sorted
     # unique set are sorted with duplicates adjacent, so each level dedups in O(n), no sort.
-    f = np.unique(f)
-    node, base = f % twoP, f - f % twoP
+    flat_leaves = np.unique(flat_leaves)
+    node, base = flat_leaves % width, flat_leaves - flat_leaves % width
     for _ in range(depth(P)):
         node >>= 1
         keep = np.empty(node.size, bool)
@@ -55,20 +50,8 @@ def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.nda
         node, base = node[keep], base[keep]
         parent = base + node
         left = base + 2 * node
-        flat_s[parent] = flat_s[left] + flat_s[left + 1]
-        flat_m[parent] = np.minimum(flat_m[left], flat_m[left + 1])
-
-
-def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
-    """Recompute every internal node from the leaves (O(P) per lane)."""
-    P = sums.shape[1] // 2
-    mins[:, P:] = np.where(sums[:, P:] > 0, sums[:, P:], np.inf)
-    n = P
-    while n > 1:
-        half = n // 2
-        sums[:, half:n] = sums[:, n : 2 * n : 2] + sums[:, n + 1 : 2 * n : 2]
-        mins[:, half:n] = np.minimum(mins[:, n : 2 * n : 2], mins[:, n + 1 : 2 * n : 2])
-        n = half
+        flat_sums[parent] = flat_sums[left] + flat_sums[left + 1]
+        flat_mins[parent] = np.minimum(flat_mins[left], flat_mins[left + 1])
 
 
 def descend(sums: np.ndarray, lanes: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -76,10 +59,10 @@ def descend(sums: np.ndarray, lanes: np.ndarray, u: np.ndarray) -> np.ndarray:
 
     Proportional sampling: with u uniform, leaf j is found with probability value_j / total.
     """
-    twoP = sums.shape[1]
-    P = twoP // 2
+    width = sums.shape[1]
+    P = width // 2
     flat = sums.reshape(-1)
-    base = lanes.astype(np.int64) * twoP
+    base = lanes.astype(np.int64) * width
     node = np.ones(u.shape, np.int64)
     u = u.astype(np.float64, copy=True)
     for _ in range(depth(P)):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -84,6 +86,27 @@ def collect(queue: Any, n: int, procs: list, timeout: float) -> list:
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {n - len(got)} result(s)")
     return got
+
+
+@contextmanager
+def reporting_child(ctx: Any, target: Callable[..., Any], *args: Any, what: str = "the child",
+                    timeout: float = 60.0) -> Iterator[tuple[Any, Any, Any]]:
+    """Start ``target(conn, *args)`` in a process of the multiprocessing context ``ctx`` and wait
+    for the first thing it sends on ``conn`` (its report); yields (process, parent end of the
+    pipe, report). On the way out the process is killed if still alive and joined, and the
+    pipe closed."""
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child_end, *args))
+    proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(timeout), f"{what} never reported"
+        yield proc, parent_end, parent_end.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        parent_end.close()
 
 
 def reap(procs: list, timeout: float = 10.0) -> None:

@@ -1,5 +1,6 @@
 """File I/O for checkpoints: ``.npy`` files written with plain ``pwrite`` calls into space reserved
-up front, reads that open only regular files and never block, and atomic directory swaps.
+up front, new directories moved into place atomically, and reads that open only regular files and
+never block.
 
 Writes never go through a shared memory map: on a full disk a mapped store is a SIGBUS that kills
 the process, a ``pwrite`` is an ``OSError(ENOSPC)`` that the caller turns into a CapacityError.
@@ -9,21 +10,27 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import math
 import os
+import secrets
+import shutil
 import stat
 import struct
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # errnos that mean "the disk is full"
 _UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # fallocate/renameat2 not here
 _NPY_ALIGN = 64  # numpy pads .npy headers to this many bytes
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"  # format version 1.0: a u16 header length follows
+COMPACT_CHUNK_BYTES = 64 << 20  # NpyWriter.compact moves rows this many bytes at a time
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +119,8 @@ class NpyWriter:
                              f"{self.dtype} {self.shape[1:]}")
         pwrite_all(self._fd(), values, len(self.header) + start * self.row_nbytes)
 
-    def compact(self, moves: list[tuple[int, int, int]], rows: int, chunk_bytes: int) -> None:
+    def compact(self, moves: Sequence[tuple[int, int, int]], rows: int,
+                chunk_bytes: int = COMPACT_CHUNK_BYTES) -> None:
         """Move row runs ``(src, dst, count)`` (``dst <= src``, ascending) and cut the file to
         ``rows`` rows. Each chunk is read whole before it is written, and later chunks read from
         beyond where earlier ones were written, so overlapping moves are safe."""
@@ -166,8 +174,97 @@ def fsync_dir(directory: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Renaming directories atomically (Linux renameat2)
+# New directories, moved into place atomically (Linux renameat2)
 # --------------------------------------------------------------------------------------------
+@contextmanager
+def new_directory(final: Path, check_replaceable: Callable[[Path], None]) -> Iterator[Path]:
+    """A new hidden directory beside ``final`` to fill (``.<name>.saving-<pid>-<random>``: same
+    parent, so the same filesystem), made ``final`` in one step when the block ends without an
+    exception, and removed when it raises (``final`` is then as it was).
+
+    The directory is locked (``flock``) while it is filled, so ``remove_dead_saves`` tells a
+    live one from one whose process was killed. Its files and itself are fsynced before the
+    move (``_move_into_place``).
+    """
+    tmp = final.with_name(f".{final.name}.saving-{os.getpid()}-{secrets.token_hex(4)}")
+    lock, made = None, False
+    try:
+        tmp.mkdir()
+        made = True
+        lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "a save is writing here"
+        yield tmp
+        fsync_dir(tmp)
+        _move_into_place(tmp, final, check_replaceable)
+        fsync_dir(final.parent)
+    except BaseException:
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _move_into_place(tmp: Path, final: Path, check_replaceable: Callable[[Path], None]
+                     ) -> None:
+    """Make the complete directory ``tmp`` the one at ``final``.
+
+    Onto a new ``final`` by a rename that replaces nothing. Over an existing one (if
+    ``check_replaceable(final)`` does not raise) by exchanging the two atomically
+    (``renameat2(RENAME_EXCHANGE)``), so ``final`` is whole at every instant, and the old one,
+    now at ``tmp``, is deleted after. Where the filesystem cannot exchange, the old one is
+    renamed aside (``.<name>.old-<pid>-<random>``), the new one renamed in, then the old one
+    deleted; a failure between the two renames moves the old one back.
+    """
+    if not (final.exists() or final.is_symlink()):
+        try:
+            if not renameat2(tmp, final, RENAME_NOREPLACE):
+                os.rename(tmp, final)  # no renameat2: replaces at most an empty directory
+        except FileExistsError:
+            raise FileExistsError(
+                f"{final} appeared while the buffer was being saved; it was left alone. Fix: "
+                f"save again (with overwrite=True to replace it)"
+            ) from None
+        return
+    check_replaceable(final)  # again: it may have changed while we wrote
+    if renameat2(tmp, final, RENAME_EXCHANGE):
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous one, now at the temp name
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dead_saves(final: Path) -> None:
+    """Remove the hidden directories of ``new_directory`` s for ``final`` whose process was
+    killed midway: the ones whose lock nobody holds (a live one keeps its directory locked)."""
+    prefix = f".{final.name}.saving-"
+    try:
+        entries = [e for e in os.scandir(final.parent) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for dead in entries:
+        try:
+            fd = os.open(dead.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live save
+            continue
+        try:
+            shutil.rmtree(dead.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -240,7 +337,8 @@ def read_bounded(path: Path, what: str, limit: int) -> bytes:
     try:
         if st.st_size > limit:
             raise _too_large(path, what, st.st_size, limit)
-        parts, total = [], 0
+        parts: list[bytes] = []
+        total = 0
         while True:
             chunk = os.read(fd, min(1 << 20, limit + 1 - total))
             if not chunk:
