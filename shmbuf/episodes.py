@@ -12,6 +12,7 @@ overwritten by a later episode or cleared is never returned.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,13 +99,19 @@ class EpisodeTable:
         after = slots.reload_stamps(self.stamp, r)
         return out, slots.held_whole(before, after, expected)
 
-    def get(self, episode: int, lane: int) -> dict[str, Any]:
+    def get(self, episode: Any, lane: int) -> dict[str, Any]:
         """The record of ``episode`` of ``lane``.
 
         Raises:
-            ValueError: a negative id (ids count from 0 per lane).
-            StaleIndexError: not finished yet, or no longer held.
+            TypeError: an id that is not an integer. ValueError: a negative id (ids count
+                from 0 per lane). StaleIndexError: not finished yet, or no longer held.
         """
+        try:
+            episode = operator.index(episode)
+        except TypeError:
+            raise TypeError(
+                f"episode id must be an int, got {type(episode).__name__} {episode!r}"
+            ) from None
         if episode < 0:
             raise ValueError(
                 f"episode id {episode} is negative: ids count from 0 in each lane (the values "

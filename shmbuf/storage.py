@@ -8,9 +8,10 @@ checked gather. Writers, readers, persistence and the sampler workers receive a 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -18,7 +19,13 @@ from . import layout as L
 from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
-from .errors import ClosedError, LaneBusyError, SegmentFormatError, SpecMismatchError
+from .errors import (
+    ClosedError,
+    LaneBusyError,
+    SegmentFormatError,
+    SpecMismatchError,
+    StaleIndexError,
+)
 from .lease import Lease
 from .limiter import Limiter
 from .rowcheck import RowChecker
@@ -171,6 +178,41 @@ class BufferStorage:
     def writer_pid(self, lane: int) -> int:
         return self.words[self.word_index(lane, L.LANE_WRITER_PID)]
 
+    def lane_index(self, lane: Any) -> int:
+        """``lane`` as an int in ``[0, lanes)``, or ValueError."""
+        if not isinstance(lane, (int, np.integer)) or not 0 <= lane < self.lanes:
+            raise ValueError(f"lane must be an int in [0, {self.lanes}), got {lane!r}")
+        return int(lane)
+
+    def lease_lane(self, lane: int | None, timeout: float) -> tuple[int, Lease]:
+        """Take the writer lease of ``lane``, or of the first free lane, waiting up to
+        ``timeout`` s (a finite number >= 0); return the lane and the lease holding it.
+
+        A lane whose writer died (even by SIGKILL) is free at once: its lock died with it.
+
+        Raises:
+            LaneBusyError: no lane became free in time.
+        """
+        if lane is not None:
+            candidates = [self.lane_index(lane)]
+        else:  # start at a pid-dependent lane, so that concurrent actors rarely collide
+            start = os.getpid() % self.lanes
+            candidates = [(start + k) % self.lanes for k in range(self.lanes)]
+        lease = self.segment.lease()
+        deadline = time.monotonic() + timeout
+        while True:
+            for k in candidates:
+                if lease.try_lock(L.lock_lane(k)):
+                    return k, lease
+            if time.monotonic() >= deadline:
+                lease.close()
+                busy = ", ".join(f"{k} (pid {self.writer_pid(k)})" for k in candidates)
+                raise LaneBusyError(
+                    f"no free lane after {timeout:g}s: lane(s) {busy} have live writers. Fix: close "
+                    f"a writer, or create the buffer with more lanes (it has {self.lanes})"
+                )
+            time.sleep(0.01)
+
     def windows(self) -> Windows:
         """Each lane's readable logical indices ``[lo, hi)`` (``slots.read_windows``: the
         writer's claim is loaded before ``committed``)."""
@@ -191,6 +233,23 @@ class BufferStorage:
                     f"writer (of this handle or any other) before {purpose}"
                 )
         return lease
+
+    def clear(self, timeout: float) -> None:
+        """Empty every lane (``empty_lane``), holding every lane's lease while doing so;
+        LaneBusyError if a lane keeps a live writer for ``timeout`` s."""
+        lease = self.lock_all_lanes(timeout, "clearing the buffer")
+        try:
+            for k in range(self.lanes):
+                self.empty_lane(k)
+        finally:
+            lease.close()
+
+    def episode_table(self) -> EpisodeTable:
+        """The lanes' episode records; StaleIndexError for a segment that keeps none."""
+        if self.episodes is None:
+            raise StaleIndexError(f"buffer {self.name!r} keeps no episode records "
+                                  f"(episode_capacity=0)")
+        return self.episodes
 
     def empty_lane(self, lane: int) -> None:
         """Make ``lane`` hold nothing and drop its episode records (caller holds its lease)."""
@@ -255,7 +314,7 @@ class BufferStorage:
             self._checker = RowChecker(spec)
         return self._checker
 
-    def refuse_episode_data(self, data: Mapping[str, Any]) -> None:
+    def refuse_episode_data(self, data: Mapping[str, Any]) -> NoReturn:
         """Raise: ``end_episode`` got episode data, and this buffer has no episode spec."""
         raise SpecMismatchError(
             f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "

@@ -1,12 +1,16 @@
-"""``Writer``: appends transitions to one lane of a replay buffer under the stamp protocol."""
+"""Lane writers: ``LaneWriter``, the core every lane writer shares, and ``Writer`` (one lane).
+
+``VectorWriter`` (``vector.py``, one lane per env) is the other writer on the same core. Every
+store to a lane's seqlock words goes through ``slots``, except the inline copy in ``Writer.add``.
+"""
 
 from __future__ import annotations
 
 import os
 import time
 import weakref
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -19,14 +23,195 @@ from .lease import Lease
 if TYPE_CHECKING:
     from .storage import BufferStorage
 
-class Writer:
+Lanes = Any  # one lane (an int) or an int64 array of lanes, with state arrays to match
+
+
+class LaneWriter:
+    """The core of a lane writer, over one lane (``Writer``) or several (``VectorWriter``).
+
+    It keeps what both need, once: room under the rate limiter (``_make_room``,
+    ``_ensure_room``); the stamp protocol for one row in each of several lanes (``_put_rows``:
+    a vector add, the FINAL rows of ``next_obs="derived"`` buffers); the end of episodes
+    (``_finish_episodes``: FINAL rows, records, the lane words that open the next episode);
+    and the life cycle (``close``, a forked child's copy closed, the context manager).
+    Subclasses keep their lanes' positions (next index, step, episode id), scalars in
+    ``Writer``, arrays in ``VectorWriter``, and measure room in rows of their own count
+    (``_room_position``).
+
+    Concurrency: a lane writer holds the writer lease of each of its lanes, so it is the only
+    process storing their lane words, slots, rows and episode records (through ``slots``);
+    readers never wait for it and it never waits for them (only, optionally, for the rate
+    limiter). It belongs to the process that opened it: a forked child's copy is closed (its
+    calls raise ``ClosedError``), because one writer per lane is what the seqlock relies on.
+    """
+
+    _live: weakref.WeakSet[LaneWriter] = weakref.WeakSet()
+    _kind = "writer"  # for messages: "<kind> of <who> is closed"
+
+    def __init__(self, storage: BufferStorage, lanes: Sequence[int], timeout: float,
+                 who: str) -> None:
+        self._storage = storage
+        self.timeout = timeout
+        self._who = who  # "lane 3", "lanes [0, 1]"
+        self._closed_reason: str | None = None
+        # Optional: a blocking add/extend gives up (ClosedError) once this returns true; an
+        # ActorContext sets it so that stopping an actor also ends a wait on the rate limiter.
+        self.stop_when: Callable[[], bool] | None = None
+        self._lane_ids = np.array(lanes, np.int64)
+        self._width = len(lanes)
+        self._capacity = storage.capacity
+        self._words = storage.words
+        self._limiter = storage.limiter
+        # A pool that starts (or changes) a rate limit bumps its generation: room granted
+        # before that is void, so a writer that was already running obeys the limit at once.
+        self._w_lim_gen = self._limiter.generation_index
+        self._lim_gen = -1
+        self._room_until = 0  # check the rate limiter on the first insert
+        # Views over every lane (a subclass may keep narrower ones for its hot path).
+        self._columns = [storage.columns[name] for name in storage.spec]
+        self._slot_stamps, self._slot_meta = storage.stamps, storage.meta
+        self._committed_v, self._reserved_v = storage.committed, storage.reserved
+        words = storage.lane_words
+        self._episode_v = words[:, L.LANE_EPISODE, 0]
+        self._episode_start_v = words[:, L.LANE_EPISODE_START, 0]
+        self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
+        self._derived = storage.derived_next_obs
+        if self._derived:  # each lane's last next_obs, for its episode's FINAL row
+            obs = storage.spec["obs"]
+            self._pending = np.zeros((self._width, *obs.shape), obs.dtype)
+            self._obs_col = list(storage.spec).index("obs")
+        LaneWriter._live.add(self)
+
+    # -- state -------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    def _raise_closed(self) -> None:
+        raise ClosedError(f"{self._kind} of {self._who} is closed ({self._closed_reason})")
+
+    def _check_open(self) -> None:
+        """Called while waiting (rate limiter): closed, or asked to stop by ``stop_when``."""
+        if self._closed_reason is not None:
+            self._raise_closed()
+        if self.stop_when is not None and self.stop_when():
+            raise ClosedError(f"{self._kind} of {self._who}: stopped while waiting for room")
+
+    # -- rate limiting -----------------------------------------------------------------------------
+    def _room_position(self) -> int:
+        """Rows written so far, in the count ``_room_until`` is measured in."""
+        raise NotImplementedError
+
+    def _ensure_room(self, at: int, n: int, timeout: float | None = None) -> None:
+        """Make room for ``n`` more rows (over all lanes) at room position ``at``, waiting on
+        the rate limiter only when the room granted before is used up or void."""
+        if at + n > self._room_until or self._words[self._w_lim_gen] != self._lim_gen:
+            self._make_room(n, at, timeout)
+
+    def _make_room(self, n: int, at: int, timeout: float | None = None) -> None:
+        """Wait until ``n`` more rows (over all lanes: ``n / width`` per lane, at least one)
+        may be inserted, up to ``timeout`` (default ``self.timeout``); refresh the heartbeats."""
+        wait = self.timeout if timeout is None else timeout_seconds("timeout", timeout)
+        self._heartbeat_v[self._lane_ids] = time.time_ns()  # (a refused timeout stores nothing)
+        room, self._lim_gen = self._limiter.wait_for_insert(
+            n // self._width or 1, wait, self._check_open, self._who, self._lane_ids)
+        self._room_until = at + room * self._width
+
+    # -- one row in each of several lanes ---------------------------------------------------------
+    def _put_rows(self, slot_ids: Lanes, index: Lanes, lanes: Lanes, rows: Sequence[Any],
+                  meta: Lanes) -> None:
+        """The stamp protocol for one row per lane (``slot_ids`` over the whole buffer), each
+        step one store over all the lanes, in the order a single row takes: claim, odd stamp,
+        columns, meta, even stamp, ``committed``."""
+        claimed = self._reserved_v[lanes]  # (a dead writer's claim may reach past index + 1)
+        slots.claim(self._reserved_v, lanes, np.maximum(claimed, index + 1)
+                    if isinstance(lanes, np.ndarray) else max(int(claimed), index + 1))
+        slots.mark_writing(self._slot_stamps, slot_ids, index)
+        for col, values in zip(self._columns, rows):
+            col[slot_ids] = values
+        self._slot_meta[slot_ids] = meta
+        slots.mark_held(self._slot_stamps, slot_ids, index)
+        slots.publish(self._committed_v, lanes, index + 1)
+
+    # -- episodes ------------------------------------------------------------------------------------
+    def _finish_episodes(self, lanes: Lanes, episodes: Lanes, lengths: Lanes, next_index: Lanes,
+                         truncated: Lanes, records: Sequence[Any] | None, pending: Any) -> Lanes:
+        """End episode ``episodes`` (of ``lengths`` steps) in each of ``lanes``, whose next
+        index is ``next_index``: in derived buffers its FINAL row (holding ``pending``, its last
+        next_obs), then its record in the episode table (``records``: one checked value list
+        per episode, or None for zeros), then the lane words that open the next episode.
+        Returns the lanes' next index after the FINAL rows."""
+        many = isinstance(lanes, np.ndarray)
+        starts = next_index - lengths
+        if self._derived:
+            self._ensure_room(self._room_position(), lanes.size if many else 1)
+            rows = [pending if k == self._obs_col else 0 for k in range(len(self._columns))]
+            meta = (episodes << L.STEP_BITS) | L.FLAG_FINAL | (lengths & L.STEP_MASK)
+            self._put_rows(lanes * self._capacity + next_index % self._capacity, next_index,
+                           lanes, rows, meta)
+            next_index = next_index + 1
+        table = self._storage.episodes
+        if table is not None and not many:
+            table.write(lanes, episodes, starts, lengths, bool(truncated),
+                        records[0] if records is not None else table.check({}))
+        elif table is not None:  # one record per finished episode, not per step
+            ended = zip(lanes.tolist(), episodes.tolist(), starts.tolist(), lengths.tolist(),
+                        truncated.tolist())
+            for j, (lane, episode, start, length, trunc) in enumerate(ended):
+                table.write(lane, episode, start, length, bool(trunc),
+                            records[j] if records is not None else table.check({}))
+        self._episode_start_v[lanes] = next_index
+        self._episode_v[lanes] = episodes + 1
+        return next_index
+
+    # -- teardown -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the lanes (idempotent). Their rows stay; another writer may take them over."""
+        if self._closed_reason is None:
+            self._closed_reason = "closed"
+            self._heartbeat_v[self._lane_ids] = time.time_ns()
+        self._drop_views()
+        self._release_lanes()
+        LaneWriter._live.discard(self)
+
+    def _release_lanes(self) -> None:
+        """Give the lanes' writer leases back."""
+        raise NotImplementedError
+
+    def _drop_views(self) -> None:
+        """Drop every view of the segment, so the buffer can unmap it."""
+        self._columns = []
+        self._slot_stamps = self._slot_meta = None  # type: ignore[assignment]
+        self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+        self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
+        self._words = None  # type: ignore[assignment]
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        """The parent keeps writing these lanes: a child's copy must never store to them. Its
+        leases close themselves (``Lease``)."""
+        for w in list(LaneWriter._live):
+            if w._closed_reason is None:
+                w._closed_reason = "inherited by a forked child; open a writer in the child instead"
+            w._drop_views()
+        LaneWriter._live = weakref.WeakSet()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+os.register_at_fork(after_in_child=LaneWriter._after_fork_in_child)
+
+
+class Writer(LaneWriter):
     """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
 
-    Concurrency: this writer is the only process storing its lane's words, slots, rows and
-    episode records. For index i in slot s it stores, through ``slots``, ``reserved``,
-    ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2`` and then ``committed = i+1``; readers never
-    wait for it and it never waits for them (only, optionally, for the rate limiter). A writer
-    belongs to the process that opened it: a forked child's copy is closed.
+    Concurrency (as ``LaneWriter``): for index i in slot s it stores, through ``slots``,
+    ``reserved``, ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2`` and then
+    ``committed = i+1``.
 
     With ``next_obs="derived"`` buffers, ``add`` still takes ``next_obs`` but stores only ``obs``;
     the next observation is the next row's ``obs``, and ``end_episode`` stores the episode's true
@@ -40,43 +225,29 @@ class Writer:
         ...     w.end_episode(truncated=False, **{"return": 21.0})
     """
 
-    _live: weakref.WeakSet[Writer] = weakref.WeakSet()
-
     def __init__(self, storage: BufferStorage, lane: int, lease: Lease,
                  insert_timeout: float) -> None:
-        self._storage = storage
+        super().__init__(storage, [lane], timeout_seconds("insert_timeout", insert_timeout),
+                         f"lane {lane}")
         self.lane = lane
         self._lease = lease
-        self.timeout = timeout_seconds("insert_timeout", insert_timeout)
-        self._closed_reason: str | None = None
-        # Optional: a blocking add/extend gives up (ClosedError) once this returns true; an
-        # ActorContext sets it so that stopping an actor also ends a wait on the rate limiter.
-        self.stop_when: Callable[[], bool] | None = None
-        lay, q = storage.layout, storage.words
-        C = lay.capacity
-        self._C = C
-        self._q = q
+        lay, q = storage.layout, self._words
+        C = self._C = lay.capacity
         w = lambda word: lay.lane_word(lane, word) // 8  # noqa: E731
         self._w_committed, self._w_reserved = w(L.LANE_COMMITTED), w(L.LANE_RESERVED)
-        self._w_episode, self._w_episode_start = w(L.LANE_EPISODE), w(L.LANE_EPISODE_START)
-        self._w_heartbeat = w(L.LANE_HEARTBEAT)
         self._stamp0 = lay.stamp(lane * C) // 8
         self._meta0 = (lay.meta.offset // 8) + lane * C
         base = lane * C
-        self._cols = [storage.columns[name][base : base + C] for name in storage.spec]
+        self._cols = [column[base : base + C] for column in self._columns]  # this lane's
         self._stamps = storage.stamps[base : base + C]
         self._meta = storage.meta[base : base + C]
         checker = storage.input_checker()
         self._check_row = checker.check_row
         self._check_batch = checker.check_batch
-        self._derived = storage.derived_next_obs
-        if self._derived:
-            obs = storage.spec["obs"]
-            self._pending = np.zeros(obs.shape, obs.dtype)  # the last step's next_obs
-            self._obs_col = list(storage.spec).index("obs")
-        self._limiter = storage.limiter
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
         self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
+        if self._derived:
+            self._last_next_obs = self._pending[0]  # this lane's row of the core's _pending
 
         # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
         committed, reserved = slots.take_over(q, self._w_committed, self._w_reserved, C)
@@ -84,27 +255,30 @@ class Writer:
         self._reserved = max(reserved, committed)
         q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
         q[w(L.LANE_WRITER_PID)] = os.getpid()
-        episode, start = q[self._w_episode], q[self._w_episode_start]
+        episode, start = q[w(L.LANE_EPISODE)], q[w(L.LANE_EPISODE_START)]
         if committed > start:  # the previous writer left an episode open: start a new one
             episode += 1
             start = committed
-            q[self._w_episode_start] = start
-            q[self._w_episode] = episode
+            q[w(L.LANE_EPISODE_START)] = start
+            q[w(L.LANE_EPISODE)] = episode
         self.episode = episode
         self._step = committed - start
         self._episode_bits = episode << L.STEP_BITS
-        self._room_until = self._next  # check the rate limiter on the first insert
-        # A pool that starts (or changes) a rate limit bumps its generation: room granted
-        # before that is void, so a writer that was already running obeys the limit at once.
-        self._w_lim_gen = self._limiter.generation_index
-        self._lim_gen = -1
-        Writer._live.add(self)
+
+    @classmethod
+    def open(cls, storage: BufferStorage, lane: int | None, timeout: float,
+             insert_timeout: float) -> Writer:
+        """A writer of ``lane``, or of the first free lane, taken within ``timeout`` s
+        (``BufferStorage.lease_lane``). A lane whose writer died is taken over: the new writer
+        continues at its ``committed`` index and starts a new episode."""
+        lane, lease = storage.lease_lane(lane, timeout)
+        try:
+            return cls(storage, lane, lease, insert_timeout)
+        except BaseException:
+            lease.close()  # releases the lane now, not when the traceback dies
+            raise
 
     # -- state -----------------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed_reason is not None
-
     @property
     def committed(self) -> int:
         """Rows this lane has published (the next add gets this logical index)."""
@@ -115,15 +289,8 @@ class Writer:
         """Steps in the current episode so far."""
         return self._step
 
-    def _raise_closed(self) -> None:
-        raise ClosedError(f"writer of lane {self.lane} is closed ({self._closed_reason})")
-
-    def _check_open(self) -> None:
-        """Called while waiting (rate limiter): closed, or asked to stop by ``stop_when``."""
-        if self._closed_reason is not None:
-            self._raise_closed()
-        if self.stop_when is not None and self.stop_when():
-            raise ClosedError(f"writer of lane {self.lane}: stopped while waiting for room")
+    def _room_position(self) -> int:
+        return self._next
 
     # -- hot path ----------------------------------------------------------------------------------------
     def add(self, **fields: Any) -> int:
@@ -137,10 +304,10 @@ class Writer:
             self._raise_closed()
         values = self._check_row(fields)
         i = self._next
-        if i >= self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
-            self._make_room(1, self.timeout)
+        q = self._words
+        if i >= self._room_until or q[self._w_lim_gen] != self._lim_gen:  # _ensure_room, inline
+            self._make_room(1, i)
         s = i % self._C
-        q = self._q
         # INLINE COPY of slots.claim + slots.write_row (a call costs ~5% of a mujoco add). It
         # omits store_fence(), a no-op on the only CPUs check_platform admits; tests/test_slots.py
         # pins this copy to slots.py and fails once store_fence() gets a body.
@@ -158,7 +325,7 @@ class Writer:
         self._next = i + 1
         self._step += 1
         if self._derived:
-            self._pending[...] = values[-1]
+            self._last_next_obs[...] = values[-1]
         return i
 
     def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
@@ -178,14 +345,13 @@ class Writer:
         i0 = self._next
         if n == 0:
             return range(i0, i0)
-        if i0 + n > self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
-            self._make_room(n, self.timeout if timeout is None else timeout_seconds("timeout", timeout))
+        self._ensure_room(i0, n, timeout)
         C = self._C
         keep = min(n, C)
         skip = n - keep
         first = i0 + skip
         end = i0 + n
-        q = self._q
+        q = self._words
         if end > self._reserved:
             self._reserved = end
             slots.claim(q, self._w_reserved, end)
@@ -210,7 +376,7 @@ class Writer:
         self._next = end
         self._step += n
         if self._derived:
-            self._pending[...] = arrays[-1][-1]
+            self._last_next_obs[...] = arrays[-1][-1]
         return range(i0, end)
 
     def _grow_ramp(self, n: int) -> None:
@@ -238,77 +404,27 @@ class Writer:
         if values is None and episode_data:
             self._storage.refuse_episode_data(episode_data)
         ended = self.episode
-        length = self._step
-        if length == 0:
+        if self._step == 0:
             return ended
-        start = self._next - length
-        if self._derived:
-            self._write_final_row()
-        if table is not None:
-            table.write(self.lane, ended, start, length, bool(truncated), values)
+        self._next = self._finish_episodes(self.lane, ended, self._step, self._next, truncated,
+                                           None if values is None else [values],
+                                           self._last_next_obs if self._derived else None)
+        if self._derived:  # its FINAL row claimed a slot
+            self._reserved = max(self._reserved, self._next)
         self.episode += 1
         self._episode_bits = self.episode << L.STEP_BITS
         self._step = 0
-        q = self._q
-        q[self._w_episode_start] = self._next
-        q[self._w_episode] = self.episode
         return ended
 
-    def _write_final_row(self) -> None:
-        """One FINAL row holding the episode's last next_obs, the rest of the row zero."""
-        i = self._next
-        if i >= self._room_until or self._q[self._w_lim_gen] != self._lim_gen:
-            self._make_room(1, self.timeout)
-        s = i % self._C
-        q = self._q
-        if i >= self._reserved:
-            self._reserved = i + 1
-            slots.claim(q, self._w_reserved, i + 1)
-        values = [self._pending if k == self._obs_col else 0 for k in range(len(self._cols))]
-        meta = self._episode_bits | L.FLAG_FINAL | (self._step & L.STEP_MASK)
-        slots.write_row(q, self._stamp0 + s, self._meta0 + s, self._w_committed, i, self._cols, s,
-                        values, meta)
-        self._next = i + 1
-
-    # -- rate limiting -------------------------------------------------------------------------------------
-    def _make_room(self, n: int, timeout: float) -> None:
-        """Wait until ``n`` more rows may be inserted; refresh the heartbeat."""
-        self._q[self._w_heartbeat] = time.time_ns()
-        room, self._lim_gen = self._limiter.wait_for_insert(n, timeout, self._check_open,
-                                                            f"lane {self.lane}", [self.lane])
-        self._room_until = self._next + room
-
     # -- teardown ---------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Release the lane (idempotent). The lane's rows stay; another writer may take it."""
-        if self._closed_reason is None:
-            self._closed_reason = "closed"
-            if self._lease.pid == os.getpid():
-                self._q[self._w_heartbeat] = time.time_ns()
-        self._release()
+    def _release_lanes(self) -> None:
+        self._lease.close()
 
-    def _release(self) -> None:
+    def _drop_views(self) -> None:
+        super()._drop_views()
         self._cols = []
         self._stamps = self._meta = None  # type: ignore[assignment]
-        self._lease.close()
-        Writer._live.discard(self)
-
-    @classmethod
-    def _after_fork_in_child(cls) -> None:
-        for w in list(cls._live):
-            w._closed_reason = "inherited by a forked child; open a writer in the child instead"
-            w._cols = []
-        cls._live = weakref.WeakSet()
-
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"next={self._next}"
         return f"<Writer lane={self.lane} {state}>"
-
-
-os.register_at_fork(after_in_child=Writer._after_fork_in_child)

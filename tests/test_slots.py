@@ -192,6 +192,43 @@ def test_vector_writer_leaves_the_words_of_one_writer_per_lane():
         assert words_of(vector) == words_of(single)
 
 
+def test_vector_and_single_writers_end_episodes_alike():
+    """Episode ends (FINAL rows of a derived buffer, records, the next episode's lane words) go
+    through the one core of both lane writers: a vector writer ending each env's episodes at
+    its own steps leaves the words and episode records of one writer per lane doing the same."""
+    spec = shmbuf.Spec(obs=((2,), "float32"), x=((), "int64"))
+    episode_spec = shmbuf.Spec(score=((), "float64"))
+    ends = [[2, 5, 6, 11], [3, 4, 9]]  # steps after which each lane ends an episode
+    steps = 12
+
+    def step_row(lane: int, i: int) -> dict[str, object]:
+        v = 100 * lane + i
+        return {"obs": np.full(2, v, np.float32), "next_obs": np.full(2, v + 0.5, np.float32),
+                "x": v}
+
+    kw = dict(capacity=C, lanes=2, next_obs="derived", episode_spec=episode_spec)
+    with shmbuf.ReplayBuffer.create(spec, **kw) as vector, \
+            shmbuf.ReplayBuffer.create(spec, **kw) as single:
+        with vector.writer(num_envs=2, lanes=[0, 1]) as vw:
+            for i in range(steps):
+                rows = [step_row(k, i) for k in (0, 1)]
+                vw.add(**{n: np.stack([np.asarray(r[n]) for r in rows]) for n in rows[0]})
+                done = np.array([i in ends[0], i in ends[1]])
+                vw.end_episode(done, truncated=np.array([False, True]),
+                               score=np.array([i, -i], np.float64))
+        for lane in (0, 1):
+            with single.writer(lane=lane) as w:
+                for i in range(steps):
+                    w.add(**step_row(lane, i))
+                    if i in ends[lane]:
+                        w.end_episode(truncated=bool(lane), score=float(i if lane == 0 else -i))
+        assert words_of(vector) == words_of(single)
+        got, want = vector.episodes(), single.episodes()
+        assert got.keys() == want.keys() and got["episode"].size == 7
+        for name in want:
+            assert got[name].tolist() == want[name].tolist(), name
+
+
 def test_the_inline_copy_is_valid_only_while_store_fence_is_a_no_op():
     """``Writer.add`` inlines ``write_row`` without the fence calls. Once ``store_fence`` (or
     ``load_fence``) gets a body, this fails: make ``Writer.add`` call ``slots.write_row``."""

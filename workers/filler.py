@@ -75,6 +75,8 @@ class BatchFiller:
 
     def wait_until_drawable(self, wait: Wait) -> None:
         """Return once ``can_draw``; ``wait`` sleeps in between (and may raise to give up)."""
+        if self.can_draw():  # the usual case: no backoff to make
+            return
         backoff = Backoff()
         while not self.can_draw():
             wait(backoff)

@@ -370,7 +370,7 @@ class LimiterHold:
         self.configured = True
 
     def _total_committed(self) -> int:
-        return int(np.sum(self.buf.committed()))  # ClosedError once the buffer is closed
+        return int(self.buf.committed().sum())  # ClosedError once the buffer is closed
 
     def inserts(self) -> int:
         return self._total_committed() - self.inserts_origin

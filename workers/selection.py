@@ -192,16 +192,13 @@ class CountedSelection(Selection):
         """``PriorityTable.update`` (checks included), after which the rows already delivered
         ``k`` times are set back to zero: a new priority must not bring a retired row back."""
         self.sync()  # as PrioritizedSelection.update: rows overwritten since are recognised
-        table = self.table
-        applied = table.update(lanes, indices, priorities)
+        applied = self.table.update(lanes, indices, priorities)
         capacity = self.buf.capacity
         index = np.asarray(indices, np.int64).reshape(-1)
         lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape).reshape(-1)
-        slots = lane * capacity + index % capacity
-        retired = (self.counts[slots] >= self.max_times) & (table.gen[slots] == index)
-        if retired.any():
-            sumtree.update(table.sums, table.mins, lane[retired], index[retired] % capacity,
-                           np.zeros(int(retired.sum())))
+        done = self.counts[lane * capacity + index % capacity] >= self.max_times
+        if done.any():  # rows overwritten since they were sampled are left alone
+            self.table.retire(lane[done], index[done])
         return applied
 
     def stale(self, rows: Rows) -> None:

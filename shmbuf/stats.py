@@ -1,0 +1,52 @@
+"""``buffer_stats``: the snapshot ``ReplayBuffer.stats()`` returns, read from a storage's lane
+words, windows and segment header (loads only; a writer is never waited for).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import layout as L
+
+if TYPE_CHECKING:
+    from .storage import BufferStorage
+
+
+def buffer_stats(storage: BufferStorage) -> dict[str, Any]:
+    """Per-lane counters and writer liveness (this process's writers too), totals, insert rate
+    since the segment was created."""
+    hdr = storage.segment.header
+    win = storage.windows()
+    now = time.time()
+    q = storage.words
+    per_lane = []
+    for k in range(storage.lanes):
+        hb = q[storage.word_index(k, L.LANE_HEARTBEAT)]
+        per_lane.append(
+            {
+                "lane": k,
+                "committed": int(win.hi[k]),
+                "size": int(win.hi[k] - win.lo[k]),
+                "writer_alive": storage.segment.probe(L.lock_lane(k)),  # this process's too
+                "writer_pid": storage.writer_pid(k),
+                "epoch": q[storage.word_index(k, L.LANE_EPOCH)],
+                "episode": q[storage.word_index(k, L.LANE_EPISODE)],
+                "last_write_age_s": (now - hb / 1e9) if hb else None,
+            }
+        )
+    total = int(win.hi.sum())
+    elapsed = max(now - hdr.created, 1e-9)
+    return {
+        "name": storage.name,
+        "owner_pid": hdr.owner_pid,
+        "owner_alive": storage.segment.owner_alive(),
+        "capacity": storage.capacity,
+        "lanes": storage.lanes,
+        "size": win.total,
+        "committed": total,
+        "inserts_per_s": total / elapsed,
+        "age_s": elapsed,
+        "nbytes": storage.layout.total_size,
+        "per_lane": per_lane,
+    }
