@@ -30,6 +30,7 @@ bench: install
 	$(BIN)/python scripts/bench_pool.py
 	$(BIN)/python scripts/bench_sequences.py
 	$(BIN)/python scripts/bench_prioritized.py
+	$(BIN)/python scripts/bench_per.py
 	$(BIN)/python scripts/bench_gpu.py
 
 clean:

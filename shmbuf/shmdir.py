@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from typing import Any
 
 import posix_ipc  # type: ignore[import-not-found]  # a C extension without stubs
 
@@ -35,12 +36,17 @@ def new_name(kind_tag: str) -> str:
     return f"{DEFAULT_PREFIX}{kind_tag}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def unlink(name: str) -> bool:
-    """Unlink a segment name; False if it was already gone."""
+def unlink(name: str, _unlink: Any = posix_ipc.unlink_shared_memory,
+           _gone: type[BaseException] = posix_ipc.ExistentialError) -> bool:
+    """Unlink a segment name; False if it was already gone.
+
+    ``posix_ipc``'s function and exception are bound at import (default arguments): a finalizer
+    (``__del__``) may run this at interpreter shutdown, after the module's globals were cleared,
+    where ``except posix_ipc.ExistentialError`` would raise TypeError instead."""
     try:
-        posix_ipc.unlink_shared_memory("/" + normalize_name(name))
+        _unlink("/" + normalize_name(name))
         return True
-    except posix_ipc.ExistentialError:
+    except _gone:
         return False
 
 

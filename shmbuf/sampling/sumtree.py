@@ -3,8 +3,8 @@
 Each lane's tree is one row of a ``[lanes, width]`` float64 array: the leaves first (leaf j is
 column j), then each level of parents up to the root (the last column). A node is the sum (min
 tree: the smallest positive leaf, +inf for none) of its ``FANOUT`` children, a contiguous block
-of the level below. Millions of leaves take 3-4 levels, so an update or a descent is a handful
-of NumPy calls per level for the whole batch (16 children: 5 levels for 100k rows, 6 for 10M); parents are always recomputed from their children
+of the level below: 5 levels for 100k leaves, 6 for 10M, so an update or a descent is a handful
+of NumPy calls per level for the whole batch. Parents are always recomputed from their children
 (never adjusted by deltas), so sums cannot drift.
 """
 
