@@ -74,7 +74,7 @@ def filled(rows: int, lanes: int = 1) -> ReplayBuffer:
 # ------------------------------------------------------------------------------------------------
 def cpprb_step(rows: int, errors: list[np.ndarray]) -> tuple[Callable[[], None] | None, str]:
     try:
-        import cpprb
+        import cpprb  # type: ignore[import-untyped]
     except ImportError as e:
         return None, f"cpprb not installed ({e})"
     rb = cpprb.PrioritizedReplayBuffer(rows, {"obs": {"shape": COLUMNS, "dtype": np.float32}},
@@ -142,7 +142,7 @@ def writer_main(name: str, lane: int, rate: float | None, stop: Any) -> None:
                     time.sleep(ahead)
 
 
-def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], None],
+def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
            rate: float | None, seconds: float) -> dict[str, Any]:
     """Learner batches/s and writer rows/s (both writers together) while the writers run."""
     ctx = multiprocessing.get_context("spawn")
