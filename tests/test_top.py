@@ -154,3 +154,27 @@ def test_limiter_and_lane_states_in_words():
     assert lane_state({**lane, "last_write_age_s": 60.0}, advanced=True) == "writing"
     assert lane_state({**lane, "writer_alive": False}) == "gone"
     assert lane_state({**lane, "writer_alive": False, "writer_pid": 0}) == "free"
+
+
+def test_demo_plot_draws_throughput_over_time(tmp_path, capsys):
+    from workers import demo
+
+    out = tmp_path / "throughput.png"
+    assert demo.main(["--seconds", "2", "--actors", "1", "--workers", "1", "--capacity", "600",
+                      "--min-size", "100", "--batch-size", "32", "--train-ms", "0",
+                      "--plot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"throughput plot: {out}" in printed
+    samples = int(printed.rsplit("(", 1)[1].split()[0])
+    assert samples >= 2
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_plot_without_matplotlib_says_how_to_install_before_starting(
+        tmp_path, monkeypatch, capsys):
+    from workers import demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit, match=r"pip install 'shmbuf\[plot\]'"):
+        demo.main(["--seconds", "1", "--plot", str(tmp_path / "x.png")])
+    assert "shmbuf demo:" not in capsys.readouterr().out  # nothing was started
