@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from shmbuf import ReplayBuffer, layout
 from shmbuf.scan import scan
 from shmbuf.top import read_pool
@@ -59,7 +61,7 @@ class ThroughputRecorder:
             if info.header.kind == layout.KIND_BUFFER:
                 if info.name not in buffers:
                     buffers[info.name] = ReplayBuffer.attach(info.name, timeout=0.0)
-                inserts += int(buffers[info.name].committed().sum())
+                inserts += int(np.sum(buffers[info.name].committed()))
             elif (pool := read_pool(info)) is not None:
                 batches, wait_ns = batches + pool.batches, wait_ns + pool.wait_ns
         return inserts, batches, wait_ns
