@@ -112,7 +112,6 @@ STAT_BATCHES = 0  # batches delivered to the learner
 STAT_WAIT_NS = 1  # nanoseconds the learner spent waiting in next(), summed
 STAT_RESTARTS = 2  # sampler worker restarts
 STAT_WORKERS = 3  # sampler workers alive
-STAT_UPDATED_NS = 4  # time.time_ns() of the last store (0: never)
 STAGING_STATS_LINES = 1
 
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).

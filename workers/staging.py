@@ -3,7 +3,7 @@
 Layout after the common shmbuf header page (see ``shmbuf.layout``):
 
 - pool stats: ``STAGING_STATS_LINES`` 64-byte line(s) of u64 counters (``shmbuf.layout.STAT_*``:
-  batches delivered, learner wait ns, worker restarts, worker count, last update time), stored
+  batches delivered, learner wait ns, worker restarts, worker count), stored
   only by the learner (``PoolStats``), read by ``shmbuf top`` from another process.
 - slot control: ``CONTROL_LINES`` 64-byte lines per slot, one u64 per line: ``STATE`` (FREE,
   ASSIGNED, FILLING, READY, HELD), ``OWNER`` (worker id or -1), ``GENERATION`` (bumped every time
@@ -130,6 +130,7 @@ class PoolStats:
     def __init__(self, words: memoryview, stats_offset: int) -> None:
         self._words = words
         self._base = stats_offset // 8
+        self.batches = self.wait_ns = 0  # this process's copies: stores, never loads
 
     def set_workers(self, n: int) -> None:
         self._words[self._base + L.STAT_WORKERS] = n
@@ -137,10 +138,11 @@ class PoolStats:
     def batch_delivered(self, wait_ns: int, restarts: int) -> None:
         """One more batch reached the learner after it waited ``wait_ns``."""
         q, b = self._words, self._base
-        q[b + L.STAT_BATCHES] += 1
-        q[b + L.STAT_WAIT_NS] += wait_ns
+        self.batches += 1
+        self.wait_ns += wait_ns
+        q[b + L.STAT_BATCHES] = self.batches
+        q[b + L.STAT_WAIT_NS] = self.wait_ns
         q[b + L.STAT_RESTARTS] = restarts
-        q[b + L.STAT_UPDATED_NS] = time.time_ns()
 
 
 NextBatch = TypeVar("NextBatch", bound=Callable[..., Any])
