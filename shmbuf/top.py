@@ -26,6 +26,7 @@ from .scan import SegmentInfo, open_regular, scan
 from .shmdir import SHM_DIR
 
 MAX_LANES_SHOWN = 16  # per buffer; the rest are summed up in one line
+MAX_CONTROL_LINES = 64  # per staging slot: a document claiming more is not read
 WRITING_WITHIN_S = 2.0  # a lane whose writer published this recently is "writing", else "idle"
 
 
@@ -61,6 +62,8 @@ def read_pool(info: SegmentInfo) -> PoolCounters | None:
         base = L.header_size(len(L.encode_layout(doc)))
     except (KeyError, TypeError, ValueError):
         return None
+    if not (0 < lines <= MAX_CONTROL_LINES and 0 <= state_word < lines):
+        return None  # not a layout this version can read
     control_at = base + L.STAGING_STATS_LINES * L.LINE
     fd = open_regular(os.path.join(SHM_DIR, info.name))
     if fd is None:

@@ -178,3 +178,24 @@ def test_demo_plot_without_matplotlib_says_how_to_install_before_starting(
     with pytest.raises(SystemExit, match=r"pip install 'shmbuf\[plot\]'"):
         demo.main(["--seconds", "1", "--plot", str(tmp_path / "x.png")])
     assert "shmbuf demo:" not in capsys.readouterr().out  # nothing was started
+
+
+@pytest.mark.parametrize("control", [None, {"lines": 1 << 40, "state": 0, "states": []},
+                                     {"lines": 4, "state": 9, "states": ["free"]}, "junk"])
+def test_a_staging_ring_top_cannot_read_is_left_out(control, capsys):
+    from shmbuf import layout
+    from shmbuf.scan import scan
+    from shmbuf.segment import Segment
+    from shmbuf.top import read_pool
+
+    doc = {"kind": "staging", "n_slots": 2, "arrays": [], "buffer": "b", "batch_size": 1}
+    if control is not None:
+        doc["slot_control"] = control
+    seg = Segment.create(None, layout.KIND_STAGING, doc, lambda n: layout.header_size(n) + 4096)
+    try:
+        info = next(i for i in scan() if i.name == seg.name)
+        assert read_pool(info) is None
+        assert cli.main(["top", "--once", "--interval", "0.01"]) == 0
+        assert seg.name not in capsys.readouterr().out
+    finally:
+        seg.close()
