@@ -6,13 +6,18 @@ draw frequencies, state dicts, and writers in other processes. Skipped without t
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import pickle
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+_start_method = multiprocessing.get_start_method(allow_none=True)
 pytest.importorskip("torchrl")
+# Importing torchrl sets the process-wide start method to "spawn"; the rest of the suite runs
+# in this process (collection imports every test module), so put back what was there.
+multiprocessing.set_start_method(_start_method, force=True)
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyTensorStorage,
@@ -275,4 +280,3 @@ def test_segment_is_unlinked_on_close():
     storage.close()
     with pytest.raises(Exception, match=name):
         Storage.from_name(name, timeout=0.1)
-    assert np.isfinite(0.0)
