@@ -208,6 +208,19 @@ def test_state_dict_round_trip():
             restored.close()
 
 
+def test_dumps_loads_round_trip(tmp_path):
+    with Storage(CAPACITY) as storage, Storage(CAPACITY) as restored:
+        rb = ReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=8)
+        feed(rb)
+        rb.dumps(tmp_path / "rb")
+        rb2 = ReplayBuffer(storage=restored, sampler=RandomSampler(), batch_size=8)
+        rb2.loads(tmp_path / "rb")
+        for rbuf in (rb, rb2):
+            rbuf.extend(batch(700, 5))
+        assert len(rb2) == CAPACITY
+        assert_same(restored.get(torch.arange(CAPACITY)), storage.get(torch.arange(CAPACITY)))
+
+
 def test_cursor_mismatch_and_in_place_writes_raise():
     with Storage(CAPACITY) as storage:
         rb = ReplayBuffer(storage=storage, batch_size=2)

@@ -4,7 +4,10 @@ samplers on top, and the rows in POSIX shared memory where other processes can a
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -196,17 +199,17 @@ class Storage(_TorchRLStorage):
         if single:
             data = data.unsqueeze(0)
         positions = np.atleast_1d(np.asarray(torch.as_tensor(cursor).cpu(), dtype=np.int64))
-        if self._buffer is not None:
-            expected = self._next_positions(positions.size)
-            if not np.array_equal(positions, expected):
-                raise CursorMismatchError(
-                    f"TorchRL's writer wants positions starting at {int(positions[0])}, but the "
-                    f"shared ring's next position is {int(expected[0])}: this storage only "
-                    f"appends (RoundRobinWriter with no other writer on the lane). Write from "
-                    f"other processes with storage.extend(td), and do not assign rb[i] = data")
+        expected = (self._next_positions(positions.size) if self._buffer is not None
+                    else np.arange(positions.size) % self.max_size)
+        if not np.array_equal(positions, expected):
+            raise CursorMismatchError(
+                f"TorchRL's writer wants positions starting at {int(positions[0])}, but the "
+                f"shared ring's next position is {int(expected[0])}: this storage only appends "
+                f"(a RoundRobinWriter, the lane's only writer in this process). Write from other "
+                f"processes with storage.extend(td), and do not assign rb[i] = data")
+        self.extend(data)
         if set_cursor:
             self._set_last_cursor(cursor)
-        self.extend(data)
         self._bump_mutation_revision()
 
     # -- reading -----------------------------------------------------------------------------------------
@@ -271,6 +274,25 @@ class Storage(_TorchRLStorage):
         self._buffer.load_state_dict(state)
         self._origin = int(state_dict["origin"])
         self._bump_mutation_revision()
+
+    def dumps(self, path: str | os.PathLike[str]) -> None:
+        """Save the rows to the directory ``path`` (``buf.save``'s format, plus ``origin``)."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self._buffer is not None:
+            self._buffer.save(directory / "rows", overwrite=True)
+        (directory / "storage.json").write_text(json.dumps(
+            {"origin": self._origin, "rows": self._buffer is not None}))
+
+    def loads(self, path: str | os.PathLike[str]) -> None:
+        """Replace the rows with those ``dumps`` saved in ``path``."""
+        directory = Path(path)
+        meta = json.loads((directory / "storage.json").read_text())
+        state = None
+        if meta["rows"]:
+            with ReplayBuffer.load(directory / "rows", capacity=self.max_size) as saved:
+                state = saved.state_dict()
+        self.load_state_dict({"buffer": state, "origin": meta["origin"]})
 
     def _empty(self) -> None:
         if self._buffer is None:
