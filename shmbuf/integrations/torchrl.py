@@ -88,9 +88,10 @@ class Storage(_TorchRLStorage):
     a ``PrioritizedSampler``'s default priority only once they are sampled and updated.
     ``rb.empty()`` is local: attached storages must re-attach after it.
 
-    Concurrency: the storage's writer takes the lane's writer lease on its first write and keeps
-    it until ``close()``; only it stores the lane's rows. Readers in any process load the lane's
-    window and check every row's stamp around the copy.
+    Concurrency: a storage takes the lane's writer lease on its first write and keeps it until
+    ``close_writer()`` or ``close()`` (so a learner that never writes leaves the lane to an
+    actor); only the lease holder stores the lane's rows. Readers in any process load the
+    lane's window and check every row's stamp around the copy.
 
     Example:
         >>> from torchrl.data import ReplayBuffer, RandomSampler
