@@ -25,6 +25,15 @@ from shmbuf.integrations.sb3 import DictReplayBuffer, ReplayBuffer  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Small networks train faster (and alike) on one thread; restored afterwards."""
+    before = th.get_num_threads()
+    th.set_num_threads(1)
+    yield
+    th.set_num_threads(before)
+
+
 def feed(buffers, obs_space, act_space, n_envs, steps, seed=0):
     """The same random transitions (with dones and time limits) into every buffer."""
     rng = np.random.default_rng(seed)
@@ -179,11 +188,10 @@ def _dqn(buffer_class, **kw):
 def test_dqn_cartpole_trains_identically_to_sb3s_buffer(tmp_path):
     """DQN on CartPole-v1 with our buffer ends with exactly the weights SB3's own buffer gives
     (same seed: same batches), and save/load_replay_buffer round-trips it."""
-    th.set_num_threads(1)
-    ours, theirs = _dqn(ReplayBuffer), _dqn(None)
+    ours = _dqn(ReplayBuffer)  # each made and trained in turn: both seed NumPy's global RNG
     try:
         ours.learn(600)
-        theirs.learn(600)
+        theirs = _dqn(None).learn(600)
         for a, b in zip(ours.policy.parameters(), theirs.policy.parameters()):
             assert th.equal(a, b)
         ours.save_replay_buffer(tmp_path / "rb.pkl")
@@ -200,7 +208,6 @@ def test_dqn_cartpole_trains_identically_to_sb3s_buffer(tmp_path):
 
 def test_seeded_runs_reproduce_with_derived_next_obs():
     """With optimize_memory_usage (our own generator, seeded from SB3's seed) two runs match."""
-    th.set_num_threads(1)
     runs = []
     for _ in range(2):
         model = _dqn(ReplayBuffer, optimize_memory_usage=True,
@@ -213,13 +220,14 @@ def test_seeded_runs_reproduce_with_derived_next_obs():
     assert all(th.equal(a, b) for a, b in zip(*runs))
 
 
-def test_sac_pendulum_trains_with_two_envs():
-    th.set_num_threads(1)
+@pytest.mark.parametrize("algo", ["SAC", "TD3", "DDPG"])
+def test_continuous_control_trains_with_two_envs(algo):
     from stable_baselines3.common.env_util import make_vec_env
 
     env = make_vec_env("Pendulum-v1", n_envs=2, seed=0)
-    model = sb3.SAC("MlpPolicy", env, buffer_size=1_000, learning_starts=50, batch_size=32,
-                    seed=0, policy_kwargs={"net_arch": [16]}, replay_buffer_class=ReplayBuffer)
+    model = getattr(sb3, algo)("MlpPolicy", env, buffer_size=1_000, learning_starts=50,
+                               batch_size=32, seed=0, policy_kwargs={"net_arch": [16]},
+                               replay_buffer_class=ReplayBuffer)
     try:
         model.learn(200)
         assert len(model.replay_buffer) == 200 and model.replay_buffer.size() == 100

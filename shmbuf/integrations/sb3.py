@@ -50,8 +50,8 @@ class _SharedReplay:
     the contents (``state_dict``), and unpickling creates a new segment holding them.
     """
 
-    observation_space: spaces.Space
-    action_space: spaces.Space
+    observation_space: Any
+    action_space: Any
     buffer_size: int
     n_envs: int
     device: th.device
@@ -110,6 +110,10 @@ class _SharedReplay:
         """A scratch array: SB3 marks ``dones[pos] = True`` before resuming with
         ``optimize_memory_usage``; here a broken chain of observations ends the episode."""
         return np.zeros((self.buffer_size, self.n_envs), np.float32)
+
+    @dones.setter
+    def dones(self, value: Any) -> None:
+        pass  # nothing to keep: see the getter
 
     def size(self) -> int:
         """Transitions per env, as SB3's ``size()`` (``len(self)`` counts all envs)."""
@@ -275,7 +279,8 @@ class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
         arrays, actions, dones, rewards = self._common(batch_size, env)
-        obs, next_obs = arrays["obs"], arrays["next_obs"]
+        obs: Any = arrays["obs"]
+        next_obs: Any = arrays["next_obs"]
         if env is not None:
             obs, next_obs = env.normalize_obs(obs), env.normalize_obs(next_obs)
         return ReplayBufferSamples(self._tensor(np.asarray(obs)), actions,
