@@ -236,18 +236,20 @@ def test_continuous_control_trains_with_two_envs(algo):
         model.replay_buffer.close()
 
 
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_prefetch_pool_delivers_owned_tensors(start_method):
+@pytest.mark.parametrize("start_method,optimize", [
+    ("fork", False), ("forkserver", False), ("spawn", False), ("fork", True)])
+def test_prefetch_pool_delivers_owned_tensors(start_method, optimize):
     """prefetch=N starts a SamplerPool on the first sample(batch_size); batches are tensors the
     caller owns (they outlive the next batch) and every row is one that was added."""
     obs_space, act_space = spaces.Box(-1000, 1000, (2,), np.float32), spaces.Discrete(5)
     buf = ReplayBuffer(64, obs_space, act_space, device="cpu", n_envs=2, prefetch=1,
-                       prefetch_kwargs={"start_method": start_method})
+                       prefetch_kwargs={"start_method": start_method},
+                       optimize_memory_usage=optimize)
     try:
         for i in range(20):
             o = np.array([[i, 0], [i, 1]], np.float32)
             buf.add(o, o + 1, np.array([i % 5, i % 5]), np.full(2, i, np.float32),
-                    np.zeros(2, bool), [{}, {}])
+                    np.full(2, i % 6 == 5), [{}, {}])  # episodes end (final obs rows)
         first = buf.sample(16)
         second = buf.sample(16)
         for s in (first, second):
