@@ -275,3 +275,23 @@ def test_spec_from_spaces_sb3_layout():
                                    layout="sb3")["action"].shape == (1,)
     with pytest.raises(ValueError, match="layout"):
         shmbuf.Spec.from_spaces(spaces.Discrete(5), spaces.Discrete(2), layout="cleanrl")
+
+
+def test_derived_next_obs_ends_an_episode_where_observations_do_not_chain():
+    """optimize_memory_usage: a step whose obs is not the last next_obs (a resumed learn(), a
+    swapped env) ends the open episode as truncated, so no next_obs crosses the jump."""
+    obs_space, act_space = spaces.Box(-1e6, 1e6, (1,), np.float32), spaces.Discrete(2)
+    buf = ReplayBuffer(64, obs_space, act_space, device="cpu", optimize_memory_usage=True)
+    try:
+        one = np.ones(1, np.float32)
+        for start in (0.0, 1000.0):  # the second run starts elsewhere, without a done
+            for t in range(5):
+                o = np.array([[start + t]], np.float32)
+                buf.add(o, o + 1, np.array([0]), one, np.array([False]), [{}])
+        episodes = buf.shared.episodes()
+        assert episodes["length"].tolist() == [5] and episodes["truncated"].tolist() == [True]
+        np.random.seed(0)
+        s = buf.sample(256)
+        assert th.equal(s.next_observations, s.observations + 1)
+    finally:
+        buf.close()
