@@ -1,4 +1,4 @@
-"""Adapters that let training libraries use shmbuf buffers as their own (``torchrl``, ``sb3``).
-
-Each submodule imports its library on import; install the matching extra (``shmbuf[torchrl]``).
+"""Drop-in storage and buffers for training libraries (``shmbuf.integrations.sb3``,
+``shmbuf.integrations.torchrl``), each behind its own optional extra (``shmbuf[sb3]``,
+``shmbuf[torchrl]``). Nothing in ``shmbuf`` imports this package; import the submodule you need.
 """
