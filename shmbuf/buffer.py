@@ -143,8 +143,10 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
         return self._layout.total_size
 
     def __len__(self) -> int:
-        """Transitions readable now, over all lanes."""
-        return self.windows().total
+        """Transitions readable now, over all lanes; never internal rows (the final-observation
+        row each episode keeps with ``next_obs="derived"`` is not counted)."""
+        self._check_open()
+        return self._storage.transitions()
 
     @property
     def is_full(self) -> bool:

@@ -1,6 +1,6 @@
 """The ``shmbuf`` command: list, inspect and garbage-collect shared-memory segments.
 
-Subcommands: ``ls``, ``gc``, ``inspect``, plus any registered under the ``shmbuf.commands``
+Subcommands: ``ls``, ``gc``, ``inspect``, ``top`` (``shmbuf.top``), plus any registered under the ``shmbuf.commands``
 entry-point group (each a ``register(subparsers)`` function, e.g. ``demo`` from ``workers``).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import layout
+from . import layout, top
 from .checks import timeout_seconds
 from .errors import SegmentFormatError, ShmbufError
 from .lease import is_locked
@@ -334,6 +334,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     p.add_argument("--timeout", type=_timeout_arg, default=1.0,
                    help="seconds to wait for a segment that is being created (default 1)")
     p.set_defaults(func=cmd_inspect)
+
+    top.register(sub, _timeout_arg)
 
     failed = _register_plugins(sub)
     return parser, failed

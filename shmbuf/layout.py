@@ -28,6 +28,11 @@ A replay buffer's body, each region 64-byte aligned:
   (logical index of the episode's first step), ``_ep_length`` (its transitions), ``_ep_flags``
   (``EPISODE_TRUNCATED``) and one column per field of the episode spec.
 
+A staging ring's body (``workers.staging``) starts with ``STAGING_STATS_LINES`` line(s) of pool
+counters (``STAT_*``, u64 words packed in one line, written only by the learner that owns the
+ring, read by ``shmbuf top``), then its slot control lines and slot data; its layout JSON says
+where the control words are (``slot_control``), so readers need not import ``workers``.
+
 All words are little-endian (only little-endian machines are supported). Advisory OFD locks on the
 segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the creator,
 ``lock_lane(k)`` for lane k's writer, ``LOCK_LIMITER`` for the pool that drives the rate limiter.
@@ -100,6 +105,14 @@ LIM_N_SAMPLERS = 7  # sampler counters [0, n) belong to the limiting pool
 LIM_QUEUE = 8  # 1: queue mode, a writer waits while its lane holds `capacity` undelivered rows
 LIMITER_CONFIG_LINES = 16
 MAX_SAMPLERS = 64
+
+# Staging stats block: u64 words packed in STAGING_STATS_LINES lines right after the header page,
+# all stored by the learner (the ring's owner) only.
+STAT_BATCHES = 0  # batches delivered to the learner
+STAT_WAIT_NS = 1  # nanoseconds the learner spent waiting in next(), summed
+STAT_RESTARTS = 2  # sampler worker restarts
+STAT_WORKERS = 3  # sampler workers alive
+STAGING_STATS_LINES = 1
 
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).
 LOCK_OWNER = 1 << 40

@@ -168,25 +168,74 @@ class Spec(Mapping[str, Field]):
         *,
         next_obs: bool = True,
         reward_dtype: Any = "float32",
+        layout: str = "gymnasium",
     ) -> Spec:
         """Build the usual transition spec from gymnasium spaces.
 
-        Fields: ``obs``, ``next_obs`` (unless ``next_obs=False``), ``action``, ``reward``,
-        ``terminated`` and ``truncated``. Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple
-        spaces are supported; nested keys are flattened to ``"obs/camera"`` names.
+        ``layout="gymnasium"`` (default): fields ``obs``, ``next_obs`` (unless
+        ``next_obs=False``), ``action``, ``reward``, ``terminated`` and ``truncated``, shaped as
+        the spaces are (a Discrete action is ``()``; reward and the flags are scalars, the flags
+        bool). Box, Discrete, MultiDiscrete, MultiBinary, Dict and Tuple spaces are supported;
+        nested keys are flattened to ``"obs/camera"`` names.
+
+        ``layout="sb3"``: Stable-Baselines3's replay buffer shapes: observations as SB3's
+        ``get_obs_shape`` (a Discrete one is ``(1,)``; Dict spaces one level deep), ``action``
+        flat ``(action_dim,)`` (a Discrete action is ``(1,)``; float64 cast to float32),
+        ``reward`` ``(1,)`` and float32 ``done`` / ``truncated`` flags of shape ``(1,)``:
+        ``done`` is SB3's (terminated or truncated), ``truncated`` its
+        ``info["TimeLimit.truncated"]``; ``done * (1 - truncated)`` is "terminated".
         """
         import gymnasium  # noqa: F401  (imported only here: gymnasium is an optional extra)
 
+        if layout not in ("gymnasium", "sb3"):
+            raise ValueError(f"layout must be 'gymnasium' or 'sb3', got {layout!r}")
         fields: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        _flatten_space("obs", observation_space, fields)
+        if layout == "sb3":
+            _sb3_fields(observation_space, action_space, fields)
+        else:
+            _flatten_space("obs", observation_space, fields)
         if next_obs:
-            for name, value in list(fields.items()):
+            for name, value in [(n, v) for n, v in fields.items() if n.split("/")[0] == "obs"]:
                 fields["next_obs" + name[3:]] = value
-        _flatten_space("action", action_space, fields)
-        fields["reward"] = ((), np.dtype(reward_dtype))
-        fields["terminated"] = ((), np.dtype(np.bool_))
-        fields["truncated"] = ((), np.dtype(np.bool_))
+        flag = ((1,), np.dtype(np.float32)) if layout == "sb3" else ((), np.dtype(np.bool_))
+        if layout == "sb3":
+            fields["action"] = fields.pop("action")  # after next_obs, as in the gymnasium layout
+        else:
+            _flatten_space("action", action_space, fields)
+        fields["reward"] = ((1,) if layout == "sb3" else (), np.dtype(reward_dtype))
+        fields["done" if layout == "sb3" else "terminated"] = flag
+        fields["truncated"] = flag
         return cls(fields)
+
+
+def _sb3_fields(observation_space: Any, action_space: Any, out: dict[str, Any]) -> None:
+    """``obs`` (or ``obs/<key>``) and ``action`` as SB3's ReplayBuffer stores them."""
+    from gymnasium import spaces
+
+    def obs_shape(space: Any) -> tuple[int, ...]:
+        if isinstance(space, spaces.Discrete):
+            return (1,)
+        if isinstance(space, spaces.MultiDiscrete):
+            return (len(space.nvec),)
+        if isinstance(space, (spaces.Box, spaces.MultiBinary)):
+            return tuple(space.shape)
+        raise SpecMismatchError(
+            f"observation space {type(space).__name__} is not supported by the sb3 layout "
+            f"(SB3 supports Box, Discrete, MultiDiscrete, MultiBinary and a Dict of those)")
+
+    if isinstance(observation_space, spaces.Dict):
+        for key, sub in observation_space.spaces.items():
+            out[f"obs/{key}"] = (obs_shape(sub), np.dtype(sub.dtype))
+    else:
+        out["obs"] = (obs_shape(observation_space), np.dtype(observation_space.dtype))
+    if not isinstance(action_space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete,
+                                     spaces.MultiBinary)):
+        raise SpecMismatchError(
+            f"action space {type(action_space).__name__} is not supported by the sb3 layout "
+            f"(SB3 supports Box, Discrete, MultiDiscrete and MultiBinary actions)")
+    dim = 1 if isinstance(action_space, spaces.Discrete) else math.prod(action_space.shape)
+    dtype = np.dtype(action_space.dtype)
+    out["action"] = ((dim,), np.dtype(np.float32) if dtype == np.float64 else dtype)
 
 
 def _flatten_space(prefix: str, space: Any, out: dict[str, Any]) -> None:

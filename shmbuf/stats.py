@@ -43,7 +43,8 @@ def buffer_stats(storage: BufferStorage) -> dict[str, Any]:
         "owner_alive": storage.segment.owner_alive(),
         "capacity": storage.capacity,
         "lanes": storage.lanes,
-        "size": win.total,
+        "size": storage.transitions(win),  # transitions, as len(buf)
+        "rows": win.total,  # with derived next_obs, also each episode's final-observation row
         "committed": total,
         "inserts_per_s": total / elapsed,
         "age_s": elapsed,

@@ -218,6 +218,21 @@ class BufferStorage:
         writer's claim is loaded before ``committed``)."""
         return Windows(*slots.read_windows(self.reserved, self.committed, self.capacity))
 
+    def transitions(self, windows: Windows | None = None) -> int:
+        """Transitions readable now over all lanes: the windows' rows, less the FINAL rows
+        (episodes' final observations) of ``next_obs="derived"`` buffers. There that costs a
+        pass over the held rows' meta words (a snapshot: loads only, nothing waits)."""
+        win = self.windows() if windows is None else windows
+        if not self.derived_next_obs:
+            return win.total
+        finals = 0
+        for k in range(self.lanes):
+            lo, n = int(win.lo[k]), int(win.hi[k] - win.lo[k])
+            base = k * self.capacity
+            for a, b, _ in ring_segments(lo, n, self.capacity) if n > 0 else ():
+                finals += int(np.count_nonzero(self.meta[base + a : base + b] & L.FLAG_FINAL))
+        return win.total - finals
+
     def lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
         """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;
         raises LaneBusyError if one stays busy."""

@@ -8,7 +8,11 @@ The rules, over every import in ``shmbuf`` and ``workers`` (module level and ins
     import of its parent package. Imports under ``if TYPE_CHECKING:`` count: they do not run,
     but a module that names another's types in its signatures sits above it all the same. An
     edge is a violation when its two ends can reach each other.
-(b) no ``shmbuf`` module imports ``workers`` (at all, TYPE_CHECKING included).
+(b) no ``shmbuf`` module imports ``workers`` (at all, TYPE_CHECKING included). One documented
+    exception: ``shmbuf.integrations.*`` (drop-ins for SB3, TorchRL, ...) may import ``workers``
+    inside functions (e.g. an optional prefetching ``SamplerPool``), because they sit above both
+    packages: no other ``shmbuf`` module may import ``shmbuf.integrations``, which this rule
+    checks as well (entered as ``(module, "shmbuf.integrations...")``).
 (c) ``workers`` never touches a private name of ``shmbuf``. Without types, "a shmbuf object" is
     judged by name: ``recv._x`` (or ``getattr(recv, "_x")``) is a violation when ``recv`` is
     not the bare ``self``/``cls`` and ``_x`` is a private member some ``shmbuf`` class defines
@@ -161,6 +165,22 @@ def _private_access(imports: list[str], tree: ast.Module, privates: set[str],
     return found
 
 
+INTEGRATIONS = "shmbuf.integrations"
+
+
+def _only_in_functions(tree: ast.Module, package: str) -> bool:
+    """True if every import of ``package`` in ``tree`` sits inside a function body."""
+    def imports(node: ast.AST) -> bool:
+        if isinstance(node, ast.Import):
+            return any(a.name.split(".")[0] == package for a in node.names)
+        return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package
+
+    in_functions = {id(n) for f in ast.walk(tree)
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(f)}
+    return all(id(n) in in_functions for n in ast.walk(tree) if imports(n))
+
+
 def current_debts() -> dict[str, Any]:
     """Every breach of the rules in the tree as it is now, in ``KNOWN_DEBTS``'s form."""
     modules = _modules()
@@ -175,7 +195,11 @@ def current_debts() -> dict[str, Any]:
             target = _owner(dotted, modules)
             if target is None or target == mod:
                 continue
-            if package == "shmbuf" and target.startswith("workers"):
+            above = mod.startswith(INTEGRATIONS)  # (b)'s exception: a leaf above both
+            if package == "shmbuf" and target.startswith("workers") and not (
+                    above and _only_in_functions(tree, "workers")):
+                debts["shmbuf_imports_workers"].add((mod, target))
+            if package == "shmbuf" and target.startswith(INTEGRATIONS) and not above:
                 debts["shmbuf_imports_workers"].add((mod, target))
             if target.split(".")[0] == package:
                 edges.add((mod, target))
@@ -250,3 +274,12 @@ def test_the_rules_catch_what_they_name():
     edges = {("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")}
     assert _cycle_edges(edges) == {("a", "b"), ("b", "c"), ("c", "a")}
     assert len(_shmbuf_privates(modules)) > 20  # the names (c) relies on were found
+
+
+def test_the_integrations_exception_is_narrow():
+    """(b)'s exception holds only for imports of ``workers`` inside functions of
+    ``shmbuf.integrations``: a module-level one is still a breach."""
+    lazy = ast.parse("import numpy\ndef f():\n    from workers import SamplerPool\n")
+    eager = ast.parse("from workers import SamplerPool\ndef f():\n    pass\n")
+    assert _only_in_functions(lazy, "workers") and not _only_in_functions(eager, "workers")
+    assert "shmbuf.integrations.sb3" in _modules()  # the rule sees the package it exempts

@@ -20,7 +20,7 @@ from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
 OUTPUTS = ("numpy", "torch", "jax")
-SELECTIONS = ("uniform", "prioritized", "queue")  # the ``sampler=`` keyword's values
+SELECTIONS = ("uniform", "prioritized", "queue", "epoch")  # the ``sampler=`` keyword's values
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class PoolConfig:
     max_times_sampled: int | None
     device: Any
     device_prefetch: int
+    drop_last: bool = True  # sampler="epoch": skip an epoch's rows short of a whole batch
 
     @classmethod
     def from_args(cls, *, batch_size: int, n_workers: int | None, n_staging: int | None,
@@ -63,7 +64,8 @@ class PoolConfig:
                   pin_memory: bool, max_restarts_per_minute: float, fields: list[str] | None,
                   transform_spec: dict[str, Any] | None, plan: Plan | None, sampler: str,
                   alpha: float, beta: Any, eps: float, max_times_sampled: int | None,
-                  device: Any, device_prefetch: int, plan_kwargs: dict[str, Any]) -> PoolConfig:
+                  device: Any, device_prefetch: int, plan_kwargs: dict[str, Any],
+                  drop_last: bool = True) -> PoolConfig:
         """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
         if device is not None:
@@ -96,7 +98,8 @@ class PoolConfig:
             raise ValueError(
                 f"max_restarts_per_minute must be >= 0, got {max_restarts_per_minute}")
         if sampler not in SELECTIONS:
-            raise ValueError(f"sampler must be 'uniform', 'prioritized' or 'queue', got {sampler!r}")
+            raise ValueError(f"sampler must be 'uniform', 'prioritized', 'queue' or 'epoch', got "
+                             f"{sampler!r}")
         times = max_times_sampled
         if times is not None and (isinstance(times, bool) or not isinstance(times, int)
                                   or times < 1):
@@ -110,10 +113,11 @@ class PoolConfig:
             seed=seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed),
             start_method=start_method, transform=transform, transform_spec=transform_spec,
             fields=fields, plan=plan, min_size=min_size, limit=limit, timeout=timeout,
-            output=output, ordered=bool(ordered) or sampler == "queue", pin_memory=pin_memory,
+            output=output, ordered=bool(ordered) or sampler in ("queue", "epoch"),
+            pin_memory=pin_memory,
             max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
             beta=beta_schedule, eps=eps, max_times_sampled=times, device=device,
-            device_prefetch=device_prefetch,
+            device_prefetch=device_prefetch, drop_last=bool(drop_last),
         )
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:

@@ -20,7 +20,7 @@ from .delivery import Delivery, PoolParts
 from .device import DeviceStage
 from .sampler_proc import OP_FILL, OP_GATHER, OP_READY, OP_STALE, SamplerConfig, sampler_main
 from .selection import Rows
-from .staging import HELD, W_STATE, StagingRing, slot_arrays, write_rows
+from .staging import HELD, W_STATE, StagingRing, counts_deliveries, slot_arrays, write_rows
 from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
@@ -76,7 +76,8 @@ class RingDelivery(Delivery):
         cfg, b = self.cfg, self.batch_size
         arrays = slot_arrays(self.out_arrays, b, self.compiled.index_shape)
         ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
-                                              {"buffer": self.buf.name, "batch_size": b})
+                                              {"buffer": self.buf.name, "batch_size": b},
+                                              n_workers=cfg.n_workers)
         worker_cfg = SamplerConfig(
             buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
             out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
@@ -136,6 +137,7 @@ class RingDelivery(Delivery):
         return ring.seg.buf, offset, length
 
     # -- taking batches ---------------------------------------------------------------------------
+    @counts_deliveries
     def next(self, timeout: float, step: int) -> Batch:
         deadline = time.monotonic() + timeout
         self.occupancy_sum += len(self.ready) / self.cfg.n_staging

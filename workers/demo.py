@@ -20,6 +20,7 @@ from shmbuf.shmdir import shm_free_bytes
 
 from .actors import ActorContext, ActorGroup
 from .envs import SyntheticAtari, transition_spec_kwargs
+from .plot import plots_throughput
 from .pool import SamplerPool
 
 
@@ -90,6 +91,7 @@ def train_step(batch: Any, busy_ms: float) -> float:
     return value
 
 
+@plots_throughput  # --plot PATH
 def run(args: argparse.Namespace) -> int:
     spec = _spec_for(args.env)
     capacity = _capacity_for(spec, args.actors, args.capacity, args.batch_size)
@@ -159,6 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default=None, help="a gymnasium env id (needs gymnasium)")
     p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="draw throughput over time to this file at the end (needs matplotlib)")
 
 
 def register(subparsers: Any) -> None:

@@ -77,7 +77,8 @@ class SamplerPool:
         sampler: "uniform"; "prioritized" (proportional to priorities from a sum tree in
             shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
             weights; ``update_priorities`` sets new ones); or "queue" (every transition
-            delivered exactly once, oldest first, writers waiting while the queue is full).
+            delivered exactly once, oldest first, writers waiting while the queue is full); or
+            "epoch" (each held transition once per epoch; ``drop_last``: ``EpochSelection``).
         alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
@@ -122,7 +123,7 @@ class SamplerPool:
         eps: float = 1e-6,
         max_times_sampled: int | None = None,
         device: Any = None,
-        device_prefetch: int = 2,
+        device_prefetch: int = 2, drop_last: bool = True,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -140,7 +141,7 @@ class SamplerPool:
                 max_restarts_per_minute=max_restarts_per_minute, fields=fields,
                 transform_spec=transform_spec, plan=plan, sampler=sampler, alpha=alpha,
                 beta=beta, eps=eps, max_times_sampled=max_times_sampled, device=device,
-                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs)
+                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (

@@ -14,6 +14,8 @@ before they draw.
 - ``QueueSelection``: every row delivered exactly once, oldest first per lane (lanes taken in
   turn). The lane word ``released`` tells writers which rows are safe to overwrite: they wait
   while a lane holds ``capacity`` rows not yet gathered (``Limiter.wait_for_insert``).
+- ``EpochSelection``: epochs over the rows held when each epoch begins, every row exactly once
+  per epoch in a seeded random order (offline RL, behaviour cloning).
 """
 
 from __future__ import annotations
@@ -266,8 +268,69 @@ class QueueSelection(Selection):
         self._released = np.zeros(0, np.int64)  # a view of the buffer: let the buffer close
 
 
+class EpochSelection(Selection):
+    """Epochs: each one a random permutation (from the pool's seeded selection rng) of the rows
+    the buffer holds when it begins, cut into batches; workers gather them in turn.
+
+    ``drop_last``: the ``N % batch_size`` rows an epoch cannot fill a batch with are skipped
+    (another random subset each epoch); else they open the next batch, followed by the next
+    epoch's first rows, so no row is left out (epochs then meet inside a batch: a staging slot
+    holds a whole batch). Rows overwritten before they were gathered are lost to that epoch.
+    """
+
+    learner_selects = True
+
+    def __init__(self, buf: ReplayBuffer, drop_last: bool = True) -> None:
+        self.buf, self.drop_last = buf, drop_last
+        self.lanes = np.zeros(0, np.int64)  # this epoch's rows, in delivery order
+        self.indices = np.zeros(0, np.int64)
+        self.cursor = 0  # rows of this epoch handed out so far
+        self.epoch = 0  # epochs begun
+
+    def _begin_epoch(self, rng: np.random.Generator) -> bool:
+        """Permute the rows held now; False (nothing changed) if the buffer is empty."""
+        win = self.buf.windows()
+        sizes = win.hi - win.lo
+        total = int(sizes.sum())
+        if total == 0:
+            return False
+        lanes = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+        first = np.repeat(win.lo - (np.cumsum(sizes) - sizes), sizes)  # index minus position
+        order = rng.permutation(total)
+        self.lanes, self.indices = lanes[order], (first + np.arange(total))[order]
+        self.cursor, self.epoch = 0, self.epoch + 1
+        return True
+
+    def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        at, self.cursor = self.cursor, self.cursor + n
+        return self.lanes[at:self.cursor], self.indices[at:self.cursor]
+
+    def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
+        left = self.lanes.size - self.cursor
+        if left >= batch_size:
+            lanes, indices = self._take(batch_size)
+            return lanes, indices, None, 0.0
+        held = int(self.buf.windows().sizes.sum())
+        enough = held >= batch_size if self.drop_last else held > 0
+        if not enough:
+            return None  # not a whole batch yet (nothing was spent)
+        carried = self._take(0 if self.drop_last else left)
+        while True:  # an epoch smaller than a batch (drop_last=False) is begun several times
+            if not self._begin_epoch(rng):
+                return None  # emptied meanwhile (clear())
+            need = batch_size - carried[0].size
+            if self.lanes.size >= need:
+                more = self._take(need)
+                break
+            carried = (np.concatenate([carried[0], self.lanes]),
+                       np.concatenate([carried[1], self.indices]))
+        return (np.concatenate([carried[0], more[0]]), np.concatenate([carried[1], more[1]]),
+                None, 0.0)
+
+
 SELECTIONS: dict[str, type[Selection]] = {
     "uniform": UniformSelection, "prioritized": PrioritizedSelection, "queue": QueueSelection,
+    "epoch": EpochSelection,
 }
 
 
@@ -276,6 +339,9 @@ def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
     that cannot work. Nothing is created: a pool that takes the limiter lock for the queue
     (``rate_limits``) does so before ``open_selection``."""
     name, k = cfg.selection, cfg.max_times_sampled
+    if name == "epoch" and k is not None:
+        raise ValueError(f"sampler='epoch' delivers each transition once per epoch; drop "
+                         f"max_times_sampled={k}")
     kind = CountedSelection if k is not None and name != "queue" else SELECTIONS[name]
     if kind is UniformSelection:
         return kind
@@ -300,6 +366,8 @@ def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig) ->
         return UniformSelection()
     if kind is QueueSelection:
         return QueueSelection(buf)
+    if kind is EpochSelection:
+        return EpochSelection(buf, cfg.drop_last)
     table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
     try:
         if kind is PrioritizedSelection:

@@ -2,11 +2,18 @@
 
 Layout after the common shmbuf header page (see ``shmbuf.layout``):
 
+- pool stats: ``STAGING_STATS_LINES`` 64-byte line(s) of u64 counters (``shmbuf.layout.STAT_*``:
+  batches delivered, learner wait ns, worker restarts, worker count), stored
+  only by the learner (``PoolStats``), read by ``shmbuf top`` from another process.
 - slot control: ``CONTROL_LINES`` 64-byte lines per slot, one u64 per line: ``STATE`` (FREE,
   ASSIGNED, FILLING, READY, HELD), ``OWNER`` (worker id or -1), ``GENERATION`` (bumped every time
   the slot is recycled or reclaimed), ``SEQ`` (which batch of its worker it holds).
 - per-slot data, each slot starting on a page: every array ``[B, *shape]`` 64-byte aligned, in the
   order of the layout document (fields, then ``_indices``, ``_lanes``, ``_weights``...).
+
+The layout document's ``slot_control`` entry (``CONTROL_LINES``, the state and owner word
+indices, ``STATE_NAMES``) lets readers that do not import ``workers`` (``shmbuf top``) find
+the slot states.
 
 Concurrency: a slot's words and data are written only by whoever holds the slot, and ownership
 moves by message (learner -> worker: "fill slot s"; worker -> learner: "slot s is ready"), so no
@@ -16,16 +23,21 @@ only after that worker's process is gone.
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from shmbuf.errors import ClosedError
+from shmbuf import layout as L
 from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
 
 FREE, ASSIGNED, FILLING, READY, HELD = range(5)
+STATE_NAMES = ("free", "assigned", "filling", "ready", "held")  # by state value
 
 W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
 CONTROL_LINES = 4
@@ -81,6 +93,7 @@ class StagingLayout:
     slot_stride: int
     arrays: tuple[SlotArray, ...]
     total_size: int
+    stats_offset: int = 0  # the pool stats line(s), right after the header
 
     def word(self, slot: int, word: int) -> int:
         """Index into the segment's int64 word view of ``word`` of ``slot``."""
@@ -94,7 +107,7 @@ def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
                    json_len: int) -> StagingLayout:
     """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch)."""
     header = header_size(json_len)
-    control = header
+    control = header + L.STAGING_STATS_LINES * LINE
     data = align(control + n_slots * CONTROL_LINES * LINE, PAGE)
     offset = 0
     out = []
@@ -103,7 +116,52 @@ def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
         out.append(arr)
         offset = align(offset + arr.nbytes)
     stride = align(max(offset, 1), PAGE)
-    return StagingLayout(n_slots, header, control, data, stride, tuple(out), data + n_slots * stride)
+    return StagingLayout(n_slots, header, control, data, stride, tuple(out),
+                         data + n_slots * stride, stats_offset=header)
+
+
+class PoolStats:
+    """The pool counters in a staging ring's stats line (``shmbuf.layout.STAT_*``).
+
+    Concurrency: only the learner (the ring's owner) stores these words, each an aligned u64
+    store; readers (``shmbuf top``) may see one word updated before another.
+    """
+
+    def __init__(self, words: memoryview, stats_offset: int) -> None:
+        self._words = words
+        self._base = stats_offset // 8
+        self.batches = self.wait_ns = 0  # this process's copies: stores, never loads
+
+    def set_workers(self, n: int) -> None:
+        self._words[self._base + L.STAT_WORKERS] = n
+
+    def batch_delivered(self, wait_ns: int, restarts: int) -> None:
+        """One more batch reached the learner after it waited ``wait_ns``."""
+        q, b = self._words, self._base
+        self.batches += 1
+        self.wait_ns += wait_ns
+        q[b + L.STAT_BATCHES] = self.batches
+        q[b + L.STAT_WAIT_NS] = self.wait_ns
+        q[b + L.STAT_RESTARTS] = restarts
+
+
+NextBatch = TypeVar("NextBatch", bound=Callable[..., Any])
+
+
+def counts_deliveries(next_batch: NextBatch) -> NextBatch:
+    """Decorates a ring delivery's ``next(timeout, step)``: every batch it returns is counted in
+    the ring's stats line with how long the learner waited for it (and the restarts so far)."""
+
+    @functools.wraps(next_batch)
+    def timed(delivery: Any, timeout: float, step: int) -> Any:
+        t0 = time.perf_counter_ns()
+        batch = next_batch(delivery, timeout, step)
+        ring = delivery.ring
+        if ring is not None:
+            ring.stats.batch_delivered(time.perf_counter_ns() - t0, delivery.restarts)
+        return batch
+
+    return timed  # type: ignore[return-value]
 
 
 class StagingRing:
@@ -121,6 +179,7 @@ class StagingRing:
         if mm is None:
             raise ClosedError(f"staging segment {segment.name!r} is closed")
         self.words = memoryview(mm).cast("q")
+        self.stats = PoolStats(self.words, self.layout.stats_offset)
         self._slots: list[dict[str, np.ndarray]] = []
         for s in range(self.layout.n_slots):
             base = self.layout.slot_offset(s)
@@ -135,11 +194,15 @@ class StagingRing:
             )
 
     @classmethod
-    def create(cls, arrays: list[ArraySpec], n_slots: int, meta: dict[str, Any]) -> StagingRing:
-        """A new ring of ``n_slots`` slots of ``arrays`` (``slot_arrays``); weights start at 1."""
+    def create(cls, arrays: list[ArraySpec], n_slots: int, meta: dict[str, Any],
+               n_workers: int = 0) -> StagingRing:
+        """A new ring of ``n_slots`` slots of ``arrays`` (``slot_arrays``) filled by
+        ``n_workers`` workers; weights start at 1."""
         doc = {
             "kind": "staging",
             "n_slots": n_slots,
+            "slot_control": {"lines": CONTROL_LINES, "state": W_STATE, "owner": W_OWNER,
+                             "states": list(STATE_NAMES)},
             "arrays": [
                 {"name": n, "shape": list(shape), "dtype": np.dtype(dt).str}
                 for n, shape, dt in arrays
@@ -154,6 +217,7 @@ class StagingRing:
         for s in range(n_slots):
             ring.set(s, W_OWNER, -1)
             ring.slot(s)[WEIGHTS][...] = 1.0
+        ring.stats.set_workers(n_workers)
         return ring
 
     @classmethod

@@ -1,0 +1,329 @@
+"""Stable-Baselines3 replay buffers kept in shmbuf shared memory: ``ReplayBuffer`` and
+``DictReplayBuffer`` are drop-in ``replay_buffer_class`` values for DQN, SAC, TD3 and DDPG.
+
+Needs the ``sb3`` extra (``pip install shmbuf[sb3]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common import buffers as sb3_buffers
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from ..buffer import ReplayBuffer as SharedBuffer
+from ..errors import EmptyBufferError
+from ..sampling import Draw, Windows
+from ..spec import Spec
+
+# Attributes that hold live shared-memory handles or processes: never pickled.
+_LIVE = ("_shared", "_writer", "_pool", "_pool_batch_size", "_rng", "_plan")
+
+
+def _shaped(value: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``value`` reshaped (the method: ``np.reshape`` costs 2 us more per call)."""
+    return (value if type(value) is np.ndarray else np.asarray(value)).reshape(shape)
+
+
+class _SharedReplay:
+    """What both SB3 buffer classes share: one shmbuf lane per env, SB3's shapes (``Spec.
+    from_spaces(layout="sb3")``), SB3's sampling and seeding, pickling by value.
+
+    Storage: the fields ``obs`` (``obs/<key>`` for Dict spaces), ``next_obs`` (unless
+    ``optimize_memory_usage``), ``action``, ``reward``, ``done`` and ``truncated`` (SB3's
+    ``info["TimeLimit.truncated"]``, kept even if ``handle_timeout_termination=False``; sampling
+    then ignores it, as SB3 does). A ``done`` ends the env's episode in shmbuf too.
+
+    ``optimize_memory_usage=True`` stores ``obs`` once (``next_obs="derived"``): an episode's
+    true final observation is kept in one extra row, so unlike SB3's own buffer it works with
+    ``handle_timeout_termination=True`` and the last transition's next observation is right.
+    Those extra rows take capacity: the buffer then holds ``buffer_size`` rows, of which one
+    per episode is not a transition.
+
+    Seeding: without ``prefetch``, indices are drawn from NumPy's global generator exactly as
+    SB3's ``ReplayBuffer`` draws them, so ``seed=`` reproduces a run and picks the same batches
+    as SB3's own buffer fed the same transitions. With ``optimize_memory_usage`` or
+    ``prefetch``, draws come from a generator seeded from NumPy's global one at the first
+    ``sample``. A prefetching pool samples while ``add`` runs, so its batches depend on timing.
+
+    Concurrency: this process owns the buffer and its one ``VectorWriter`` (all lanes); other
+    processes may attach by ``name`` and sample. Pickling (SB3's ``save_replay_buffer``) stores
+    the contents (``state_dict``), and unpickling creates a new segment holding them.
+    """
+
+    observation_space: Any
+    action_space: Any
+    buffer_size: int
+    n_envs: int
+    device: th.device
+    obs_shape: Any
+    action_dim: int
+    pos: int
+    full: bool
+
+    def __init__(self, buffer_size: int, observation_space: spaces.Space,
+                 action_space: spaces.Space, device: th.device | str = "auto", n_envs: int = 1,
+                 optimize_memory_usage: bool = False, handle_timeout_termination: bool = True,
+                 *, prefetch: int = 0, prefetch_kwargs: dict[str, Any] | None = None,
+                 name: str | None = None) -> None:
+        if optimize_memory_usage and isinstance(observation_space, spaces.Dict):
+            raise ValueError("DictReplayBuffer does not support optimize_memory_usage=True (as "
+                             "in SB3): pass optimize_memory_usage=False")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (sampler processes), got {prefetch!r}")
+        sb3_buffers.BaseBuffer.__init__(self, buffer_size, observation_space,  # type: ignore[arg-type]
+                                        action_space, device, n_envs=n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.optimize_memory_usage = optimize_memory_usage
+        self.handle_timeout_termination = handle_timeout_termination
+        self.prefetch = prefetch
+        self.prefetch_kwargs = dict(prefetch_kwargs or {})
+        self.spec = Spec.from_spaces(observation_space, action_space, layout="sb3",
+                                     next_obs=not optimize_memory_usage)
+        self._obs_keys = [k for k in self.spec if k.split("/")[0] == "obs"]
+        self._last_next_obs: dict[str, np.ndarray] | None = None  # derived: chain check
+        self._add_shapes()
+        self._open(name, None)
+
+    # -- the shared buffer --------------------------------------------------------------------
+    def _open(self, name: str | None, state: dict[str, Any] | None) -> None:
+        self._shared = SharedBuffer.create(
+            self.spec, self.buffer_size, lanes=self.n_envs, name=name,
+            next_obs="derived" if self.optimize_memory_usage else "stored")
+        try:
+            if state is not None:
+                self._shared.load_state_dict(state)
+            self._writer = self._open_writer()
+        except BaseException:
+            self._shared.close()
+            raise
+        self._pool: Any = None
+        self._pool_batch_size = 0
+        self._rng: np.random.Generator | None = None
+        self._plan = self._shared.compile() if self.optimize_memory_usage else None
+
+    def _open_writer(self) -> Any:
+        """One env: a lane ``Writer`` (its ``add`` is the cheapest); else a ``VectorWriter``."""
+        if self.n_envs == 1:
+            return self._shared.writer(lane=0)
+        return self._shared.writer(num_envs=self.n_envs)
+
+    def _end_episodes(self, envs: np.ndarray, truncated: Any) -> None:
+        if self.n_envs == 1:
+            self._writer.end_episode(truncated=bool(np.asarray(truncated).reshape(-1)[0]))
+        else:
+            self._writer.end_episode(envs, truncated=truncated)
+
+    @property
+    def shared(self) -> SharedBuffer:
+        """The shmbuf buffer underneath (attach to it by ``shared.name`` from other processes)."""
+        return self._shared
+
+    @property
+    def dones(self) -> np.ndarray:
+        """A scratch array: SB3 marks ``dones[pos] = True`` before resuming with
+        ``optimize_memory_usage``; here a broken chain of observations ends the episode."""
+        return np.zeros((self.buffer_size, self.n_envs), np.float32)
+
+    @dones.setter
+    def dones(self, value: Any) -> None:
+        pass  # nothing to keep: see the getter
+
+    def size(self) -> int:
+        """Transitions per env, as SB3's ``size()`` (``len(self)`` counts all envs)."""
+        if self.optimize_memory_usage:
+            return len(self._shared) // self.n_envs
+        return self.buffer_size if self.full else self.pos
+
+    def __len__(self) -> int:
+        return len(self._shared)
+
+    # -- writing ------------------------------------------------------------------------------
+    def _add_shapes(self) -> None:
+        """The shape each field is given to the writer in: ``[n_envs, ...]``, or one row's."""
+        lead = (self.n_envs,) if self.n_envs > 1 else ()
+        self._shapes = {name: lead + f.shape for name, f in self.spec.items()}
+        self._no_truncation = np.zeros(self._shapes["truncated"], np.float32)
+        self._no_truncation.flags.writeable = False
+
+    def _obs_fields(self, obs: Any, prefix: str, rows: dict[str, Any]) -> None:
+        shapes = self._shapes
+        if isinstance(obs, dict):
+            for k, v in obs.items():
+                rows[f"{prefix}/{k}"] = _shaped(v, shapes[f"obs/{k}"])
+        else:
+            rows[prefix] = _shaped(obs, shapes["obs"])
+
+    def add(self, obs: Any, next_obs: Any, action: np.ndarray, reward: np.ndarray,
+            done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        """Append one step of every env (SB3's signature; arrays ``[n_envs, ...]``)."""
+        shapes = self._shapes
+        rows: dict[str, Any] = {}
+        self._obs_fields(obs, "obs", rows)
+        self._obs_fields(next_obs, "next_obs", rows)
+        rows["action"] = _shaped(action, shapes["action"])
+        rows["reward"] = _shaped(reward, shapes["reward"])
+        rows["done"] = done = _shaped(done, shapes["done"])
+        rows["truncated"] = truncated = self._no_truncation if not (
+            self.handle_timeout_termination) else np.array(
+            [info.get("TimeLimit.truncated", False) for info in infos],
+            np.float32).reshape(shapes["truncated"])
+        if self.optimize_memory_usage:
+            self._end_broken_chains(rows["obs"])
+        self._writer.add(**rows)
+        ended = done.reshape(self.n_envs).astype(bool)
+        if ended.any() if self.n_envs > 1 else ended[0]:
+            self._end_episodes(ended, truncated.reshape(self.n_envs).astype(bool))
+        if self.optimize_memory_usage:
+            last = np.array(rows["next_obs"]).reshape(self.n_envs, -1)
+            self._last_next_obs = {"obs": last, "open": ~ended}
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full, self.pos = True, 0
+
+    def _end_broken_chains(self, obs: np.ndarray) -> None:
+        """With derived next_obs, a step whose ``obs`` is not the previous step's ``next_obs``
+        (a resumed ``learn()``, a swapped env) ends the env's open episode, truncated, first."""
+        last = self._last_next_obs
+        if last is None:
+            return
+        broken = last["open"] & (obs.reshape(self.n_envs, -1) != last["obs"]).any(axis=1)
+        if broken.any():
+            self._end_episodes(broken, True)
+
+    # -- sampling -----------------------------------------------------------------------------
+    def _draw_like_sb3(self, windows: Windows, batch_size: int,
+                       rng: np.random.Generator) -> Draw:
+        """SB3's draw, from NumPy's global generator: a position below ``size()``, then an
+        env; the position is the ring slot of the logical index held there."""
+        upper = int(windows.sizes.min())
+        if upper <= 0:
+            raise EmptyBufferError("cannot sample: the replay buffer holds no transitions yet")
+        positions = np.random.randint(0, upper, size=batch_size)
+        lanes = np.random.randint(0, high=self.n_envs, size=(batch_size,))
+        lo = windows.lo[lanes]
+        return Draw(lanes.astype(np.int64), lo + (positions - lo) % self.buffer_size)
+
+    def _generator(self) -> np.random.Generator:
+        if self._rng is None:  # seeded from SB3's seed (set_random_seed seeds np.random)
+            self._rng = np.random.default_rng(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+        return self._rng
+
+    def _sample_arrays(self, batch_size: int) -> dict[str, np.ndarray]:
+        """A batch as new arrays this call owns (field name -> ``[B, ...]``)."""
+        if self.prefetch:
+            return self._pool_sample(batch_size)
+        if self._plan is not None:
+            out = self._plan.allocate(batch_size)
+            self._shared.sample_into(out, self._generator(), plan=self._plan)
+            return out
+        out = {name: np.empty((batch_size, *f.shape), f.dtype)
+               for name, f in self.spec.items()}
+        self._shared.sample_into(out, sampler=self._draw_like_sb3)
+        return out
+
+    def _pool_sample(self, batch_size: int) -> dict[str, np.ndarray]:
+        if self._pool is None or self._pool_batch_size != batch_size:
+            from workers import SamplerPool  # lazily: see the structure rule for integrations
+
+            self._close_pool()
+            seed = int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+            self._pool = SamplerPool(self._shared, batch_size=batch_size,
+                                     n_workers=self.prefetch, seed=seed,
+                                     **self.prefetch_kwargs)
+            self._pool_batch_size = batch_size
+        batch = next(self._pool)
+        return batch.copy()  # arrays of our own, not views of a staging slot
+
+    def _tensor(self, array: np.ndarray) -> th.Tensor:
+        return th.from_numpy(array).to(self.device)  # the array is this call's own: no copy
+
+    def _common(self, batch_size: int, env: VecNormalize | None
+                ) -> tuple[dict[str, np.ndarray], th.Tensor, th.Tensor, th.Tensor]:
+        arrays = self._sample_arrays(batch_size)
+        dones = arrays["done"]
+        if self.handle_timeout_termination:
+            dones = dones * (1 - arrays["truncated"])
+        rewards = arrays["reward"]
+        if env is not None:
+            rewards = np.asarray(env.normalize_reward(rewards), np.float32)
+        return (arrays, self._tensor(np.ascontiguousarray(arrays["action"])),
+                self._tensor(dones), self._tensor(rewards))
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the buffer (SB3's ``reset``): the writer is reopened on the emptied lanes."""
+        self._close_pool()
+        self._writer.close()
+        self._shared.clear()
+        self._writer = self._open_writer()
+        self._last_next_obs = None
+        self.pos, self.full = 0, False
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def close(self) -> None:
+        """Stop the prefetch pool, close the writer and unlink the segment. Idempotent."""
+        if "_shared" in self.__dict__:
+            self._close_pool()
+            self._writer.close()
+            self._shared.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in _LIVE}
+        state["_shared_state"] = self._shared.state_dict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        contents = state.pop("_shared_state")
+        self.__dict__.update(state)
+        self._open(None, contents)
+
+
+class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):
+    """SB3's ``ReplayBuffer`` in shmbuf shared memory.
+
+    Example:
+        >>> from stable_baselines3 import DQN
+        >>> from shmbuf.integrations.sb3 import ReplayBuffer
+        >>> model = DQN("MlpPolicy", "CartPole-v1", replay_buffer_class=ReplayBuffer,
+        ...             replay_buffer_kwargs={"prefetch": 0})
+        >>> model.learn(2_000); model.replay_buffer.close()
+    """
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
+        arrays, actions, dones, rewards = self._common(batch_size, env)
+        obs: Any = arrays["obs"]
+        next_obs: Any = arrays["next_obs"]
+        if env is not None:
+            obs, next_obs = env.normalize_obs(obs), env.normalize_obs(next_obs)
+        return ReplayBufferSamples(self._tensor(np.asarray(obs)), actions,
+                                   self._tensor(np.asarray(next_obs)), dones, rewards)
+
+
+class DictReplayBuffer(_SharedReplay, sb3_buffers.DictReplayBuffer):
+    """SB3's ``DictReplayBuffer`` in shmbuf shared memory (Dict observation spaces)."""
+
+    def sample(self, batch_size: int,  # type: ignore[override]
+               env: VecNormalize | None = None) -> DictReplayBufferSamples:
+        """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
+        arrays, actions, dones, rewards = self._common(batch_size, env)
+        obs: Any = {k[4:]: arrays[k] for k in self._obs_keys}
+        next_obs: Any = {k[4:]: arrays["next_" + k] for k in self._obs_keys}
+        if env is not None:
+            obs, next_obs = env.normalize_obs(obs), env.normalize_obs(next_obs)
+        return DictReplayBufferSamples(
+            {k: self._tensor(np.asarray(v)) for k, v in obs.items()}, actions,
+            {k: self._tensor(np.asarray(v)) for k, v in next_obs.items()}, dones, rewards)
+
+
+__all__ = ["DictReplayBuffer", "ReplayBuffer"]
