@@ -13,10 +13,10 @@ process that owns nothing sees no difference but for ``signal.getsignal``. Handl
 installs, before or after, are left alone, and a handler that returns keeps the buffer alive.
 See ``_install_signal_handlers``.
 
-Concurrency: the header is written once, by the creator, before the magic; after that it is
-read-only. Leases are OFD locks taken on a file description this process opened itself
-(``/proc/self/fd``), so they die with the process, even by SIGKILL, and are never shared with a
-forked child: children close inherited lease descriptors at fork.
+Concurrency: the header is written once, by the creator, before the magic; after that only the
+owner pid/start change (``BufferStorage.adopt``). Leases are OFD locks on a description opened
+by this process (``/proc/self/fd``), so they die with it, even by SIGKILL, and are never shared
+with a forked child: children close inherited lease descriptors at fork.
 
 Headers are untrusted input (any process of the user can write /dev/shm): ``read_header``
 bounds every length before reading and validates every field, so a malformed file is a

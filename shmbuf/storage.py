@@ -8,6 +8,8 @@ checked gather. Writers, readers, persistence and the sampler workers receive a 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,9 +20,10 @@ from . import layout as L
 from . import slots
 from .checks import positive_int, ring_segments
 from .episodes import EpisodeTable
-from .errors import LaneBusyError, SegmentFormatError, SpecMismatchError
+from .errors import LaneBusyError, SegmentExistsError, SegmentFormatError, SpecMismatchError
 from .limiter import LimiterBlock
 from .sampling import Windows
+from . import segment as seg_mod
 from .segment import Lease, Segment
 from .spec import RowChecker, Spec
 
@@ -115,6 +118,32 @@ class BufferStorage:
     def attach(cls, name: str, timeout: float = 5.0) -> BufferStorage:
         """Map an existing buffer's segment by name. Never resizes or changes it."""
         return cls(Segment.attach(name, L.KIND_BUFFER, timeout=timeout))
+
+    @classmethod
+    def adopt(cls, name: str, timeout: float = 5.0) -> BufferStorage:
+        """Attach to a buffer whose owner died and become its owner: take the owner lease,
+        record this process in the header, unlink the segment at close/exit as its creator
+        would. Wrap it with ``ReplayBuffer(storage)``. Rows, lanes and writers are untouched.
+
+        Raises:
+            SegmentNotFoundError: no segment of that name (it is gone: create a new one).
+            SegmentExistsError: its owner is alive (the lease is held); nothing changed.
+        """
+        seg = Segment.attach(name, L.KIND_BUFFER, timeout=timeout)
+        lease = seg.lease()
+        if not lease.try_lock(L.LOCK_OWNER):
+            lease.close()
+            seg.close()
+            raise SegmentExistsError(
+                f"segment {seg.name!r} has a live owner (pid {seg.header.owner_pid}); only a "
+                f"segment whose owner died can be adopted. Fix: attach to it instead")
+        pid, start = os.getpid(), seg_mod.process_start_time(os.getpid())
+        assert seg.buf is not None
+        seg.buf[L.H_OWNER_PID:L.H_OWNER_START + 8] = np.array([pid, start], "<u8").tobytes()
+        seg.header = dataclasses.replace(seg.header, owner_pid=pid, owner_start=start)
+        seg.owner, seg.owner_lease, seg.pid = True, lease, pid
+        seg_mod._register_owned(seg.name)
+        return cls(seg)
 
     # -- views ---------------------------------------------------------------------------------------
     def map_views(self) -> None:

@@ -1,0 +1,149 @@
+"""``NodeHost``: the Ray actor of one ``ReplayCluster`` node. It owns that node's replay buffer
+(creating it, or re-adopting it after a restart) and the sampler pools that gather the node's
+rows for a learner on another node, one reply of many rows per call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from shmbuf import ReplayBuffer, segment
+from shmbuf.errors import (
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SpecMismatchError,
+    Timeout,
+)
+from shmbuf.storage import BufferStorage
+
+from .pool import SamplerPool
+
+ADOPT_WAIT_S = 10.0  # how long a restarted host waits for its dead predecessor's lease to drop
+
+
+def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
+                     buffer_kwargs: dict[str, Any]) -> tuple[ReplayBuffer, bool]:
+    """The node's buffer: adopted if a dead owner left it in /dev/shm (same spec, capacity and
+    lanes), else created. Returns ``(buffer, adopted)``."""
+    deadline = time.monotonic() + ADOPT_WAIT_S
+    while True:
+        try:
+            old = segment.Segment.attach(name)
+        except SegmentNotFoundError:
+            return ReplayBuffer.create(spec, capacity, lanes, name, **buffer_kwargs), False
+        old_pid, old_start = old.header.owner_pid, old.header.owner_start
+        old.close()
+        try:
+            buf = ReplayBuffer(BufferStorage.adopt(name))
+        except SegmentNotFoundError:
+            continue  # unlinked between the two looks: create it
+        except SegmentExistsError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)  # the old host is still exiting
+            continue
+        if (buf.spec != spec or buf.capacity != capacity or buf.lanes != lanes):
+            got = (buf.spec, buf.capacity, buf.lanes)
+            buf.close()
+            raise SpecMismatchError(
+                f"segment {name!r} left by a dead host holds spec/capacity/lanes {got}, not "
+                f"{(spec, capacity, lanes)}: it was unlinked. Fix: use another cluster name")
+        remove_leaked_segments_of(old_pid, old_start)
+        return buf, True
+
+
+def remove_leaked_segments_of(pid: int, start: int) -> list[str]:
+    """Unlink the segments a dead process owned (its sampler pools' staging rings and priority
+    trees): their owner lease is free and the header names that process."""
+    removed = []
+    for info in segment.scan():
+        h = info.header
+        if (h is not None and not info.alive and h.owner_pid == pid
+                and h.owner_start == start and segment.unlink(info.name)):
+            removed.append(info.name)
+    return removed
+
+
+class NodeHost:
+    """Runs on one Ray node (node affinity): creates or re-adopts the node's ``ReplayBuffer``
+    and serves its rows to learners elsewhere through per-learner ``SamplerPool`` s.
+
+    Concurrency: a Ray actor handles one call at a time, so a pool's batch is still held when
+    its reply is serialised into the object store (before the next call runs). Writers on the
+    node attach to the buffer by name and never talk to the host; if the host dies, they go on
+    writing, and its restart re-adopts the segment (``BufferStorage.adopt``) with their rows.
+    """
+
+    def __init__(self, name: str, spec: Any, capacity: int, lanes: int,
+                 buffer_kwargs: dict[str, Any] | None = None) -> None:
+        self.buffer, self.adopted = open_node_buffer(name, spec, capacity, lanes,
+                                                     dict(buffer_kwargs or {}))
+        self.pools: dict[str, SamplerPool] = {}
+        self.started = time.time()
+
+    # -- what the cluster asks ------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Where this host runs and what its buffer holds."""
+        import ray
+
+        buf = self.buffer
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "name": buf.name, "adopted": self.adopted, "size": len(buf),
+                "committed": int(np.sum(buf.committed())), "pools": sorted(self.pools)}
+
+    def counts(self) -> tuple[int, int]:
+        """``(rows held, rows ever committed)``."""
+        return len(self.buffer), int(np.sum(self.buffer.committed()))
+
+    def open_pool(self, pool_id: str, pool_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Start the sampler pool ``pool_id`` (idempotent: a known id is left as it is)."""
+        if pool_id not in self.pools:
+            self.pools[pool_id] = SamplerPool(self.buffer, **pool_kwargs)
+        return self.info()
+
+    def fetch(self, pool_id: str, wait_s: float) -> dict[str, Any]:
+        """One batch of the pool's rows (``rows`` of them, 0 if none came within ``wait_s``),
+        with the node's counts. The arrays are the pool's staging views: Ray copies them into
+        the object store when this call returns, before the slot can be refilled."""
+        size, committed = self.counts()
+        reply: dict[str, Any] = {"rows": 0, "size": size, "committed": committed,
+                                 "pid": os.getpid()}
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            reply["missing"] = True  # e.g. this host restarted: the learner opens it again
+            return reply
+        try:
+            batch = pool.next(timeout=wait_s)
+        except Timeout:
+            return reply
+        reply.update(rows=batch.batch_size, fields={k: batch[k] for k in batch},
+                     indices=batch.indices, lanes=batch.lanes, weights=batch.weights)
+        return reply
+
+    def update_priorities(self, pool_id: str, lanes: np.ndarray, indices: np.ndarray,
+                          priorities: np.ndarray) -> int:
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            return 0
+        return pool.update_priorities(indices, priorities, lanes=lanes)
+
+    def close_pool(self, pool_id: str, timeout: float = 5.0) -> None:
+        pool = self.pools.pop(pool_id, None)
+        if pool is not None:
+            pool.close(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close every pool and the buffer (unlinking it: the node's rows are gone)."""
+        for pool_id in list(self.pools):
+            self.close_pool(pool_id, timeout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            self.buffer.close()
+
+    def pid(self) -> int:
+        return os.getpid()
