@@ -18,7 +18,8 @@ from shmbuf import Spec, segment
 from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.errors import ClosedError
 
-from .cluster_host import NodeHost
+from .cluster_actors import ClusterActorContext, ClusterActors
+from .cluster_host import NodeHost, remove_leaked_segments
 from .cluster_nodes import (
     NAME_PREFIX,
     ClusterClient,
@@ -33,7 +34,7 @@ from .cluster_nodes import (
 )
 from .cluster_sampler import ClusterBatch, ClusterSampler
 
-__all__ = ["ClusterBatch", "ClusterClient", "ClusterSampler", "HostRestartedWarning",
+__all__ = ["ClusterActorContext", "ClusterActors", "ClusterBatch", "ClusterClient", "ClusterSampler", "HostRestartedWarning",
            "NoHostOnNodeError", "NodeLostError", "NodeLostWarning", "ReplayCluster",
            "alive_node_ids", "current_node_id", "on_node"]
 
@@ -89,6 +90,7 @@ class ReplayCluster(ClusterClient):
         self.hosts: dict[str, Any] = {}
         self.host_restarts = host_restarts
         self._samplers: list[Any] = []
+        self._groups: list[ClusterActors] = []
         self._closed = False
         host_cls = ray.remote(NodeHost)
         try:
@@ -111,6 +113,13 @@ class ReplayCluster(ClusterClient):
         self._samplers.append(sampler)
         return sampler
 
+    def actors(self, actor_fn: Any, per_node: int = 1, **kwargs: Any) -> ClusterActors:
+        """``ClusterActors`` running ``actor_fn`` on every node (stopped by ``close()``)."""
+        self._check_open()
+        group = ClusterActors(self, actor_fn, per_node, **kwargs)
+        self._groups.append(group)
+        return group
+
     def info(self, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Each live host's ``info()`` (node, pid, segment, adopted, size), by node id."""
         refs = {n: h.info.remote() for n, h in self.hosts.items()}
@@ -118,7 +127,7 @@ class ReplayCluster(ClusterClient):
         for node, ref in refs.items():
             try:
                 out[node] = ray.get(ref, timeout=timeout)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayError:
                 continue
         return out
 
@@ -147,6 +156,8 @@ class ReplayCluster(ClusterClient):
         if self._closed:
             return
         self._closed = True
+        for group in self._groups:
+            group.stop()
         for sampler in self._samplers:
             sampler.close()
         refs = {n: h.close.remote(timeout=min(timeout, 5.0)) for n, h in self.hosts.items()}
@@ -166,14 +177,9 @@ class ReplayCluster(ClusterClient):
         self.remove_leaked()
 
     def remove_leaked(self) -> list[str]:
-        """Unlink this cluster's segments on this machine whose owner is dead (a node removed
-        while its host held the segment). Only this machine's /dev/shm is visible here."""
-        prefix = f"{NAME_PREFIX}{self.tag}-"
-        removed = []
-        for info in segment.scan():
-            if info.name.startswith(prefix) and not info.alive and segment.unlink(info.name):
-                removed.append(info.name)
-        return removed
+        """Unlink what dead hosts of this cluster left on this machine (a node removed while its
+        host held its buffer and pools). Only this machine's /dev/shm is visible here."""
+        return remove_leaked_segments(f"{NAME_PREFIX}{self.tag}-")
 
     def __enter__(self) -> ReplayCluster:
         return self

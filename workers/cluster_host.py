@@ -33,15 +33,9 @@ def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
     deadline = time.monotonic() + ADOPT_WAIT_S
     while True:
         try:
-            old = segment.Segment.attach(name)
-        except SegmentNotFoundError:
-            return ReplayBuffer.create(spec, capacity, lanes, name, **buffer_kwargs), False
-        old_pid, old_start = old.header.owner_pid, old.header.owner_start
-        old.close()
-        try:
             buf = ReplayBuffer(BufferStorage.adopt(name))
         except SegmentNotFoundError:
-            continue  # unlinked between the two looks: create it
+            return ReplayBuffer.create(spec, capacity, lanes, name, **buffer_kwargs), False
         except SegmentExistsError:
             if time.monotonic() >= deadline:
                 raise
@@ -53,18 +47,21 @@ def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
             raise SpecMismatchError(
                 f"segment {name!r} left by a dead host holds spec/capacity/lanes {got}, not "
                 f"{(spec, capacity, lanes)}: it was unlinked. Fix: use another cluster name")
-        remove_leaked_segments_of(old_pid, old_start)
+        remove_leaked_segments(name)  # the dead host's pools over it
         return buf, True
 
 
-def remove_leaked_segments_of(pid: int, start: int) -> list[str]:
-    """Unlink the segments a dead process owned (its sampler pools' staging rings and priority
-    trees): their owner lease is free and the header names that process."""
+def remove_leaked_segments(prefix: str) -> list[str]:
+    """Unlink the dead-owner segments of ``prefix``: node buffers named with it, and the staging
+    rings and priority trees of pools over them (their layout names the buffer)."""
     removed = []
     for info in segment.scan():
         h = info.header
-        if (h is not None and not info.alive and h.owner_pid == pid
-                and h.owner_start == start and segment.unlink(info.name)):
+        if h is None or info.alive:
+            continue
+        of = h.doc.get("buffer") if isinstance(h.doc, dict) else None
+        if (info.name.startswith(prefix) or (isinstance(of, str) and of.startswith(prefix))) \
+                and segment.unlink(info.name):
             removed.append(info.name)
     return removed
 

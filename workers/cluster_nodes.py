@@ -6,6 +6,7 @@ through shared memory and hands out lane writers on it.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
@@ -51,6 +52,25 @@ def node_alive(node_id: str) -> bool:
 def on_node(node_id: str) -> dict[str, Any]:
     """Ray ``.options(**on_node(id))`` that place a task or actor on that node (hard affinity)."""
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def call_actor(method: Any, *args: Any, timeout: float) -> Any:
+    """``ray.get(method.remote(*args))`` within ``timeout`` seconds, calling again while the
+    actor is restarting (Ray refuses calls then with ``ActorUnavailableError``).
+
+    Raises:
+        ray.exceptions.ActorDiedError: the actor is dead for good.
+        ray.exceptions.GetTimeoutError: no answer in time.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(method.remote(*args), timeout=max(0.01, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise ray.exceptions.GetTimeoutError(
+                    f"the actor stayed unavailable (restarting) for {timeout}s") from None
+            time.sleep(0.1)
 
 
 # Buffers attached in this process, by name (a writer's process attaches its node's buffer once).
@@ -127,6 +147,10 @@ class ClusterClient:
             LaneBusyError: every lane of the node's buffer has a live writer.
         """
         return self.buffer(timeout=timeout).writer(lane, timeout, **writer_kwargs)
+
+    def client(self) -> ClusterClient:
+        """A plain ``ClusterClient`` of these nodes (what a pickled cluster becomes)."""
+        return ClusterClient(self.buffer_names, self.spec)
 
     def on_node(self, node_id: str) -> dict[str, Any]:
         """``.options(**cluster.on_node(id))`` for a task or actor on that node."""

@@ -26,6 +26,7 @@ from .cluster_nodes import (
     HostRestartedWarning,
     NodeLostError,
     NodeLostWarning,
+    call_actor,
     current_node_id,
     node_alive,
 )
@@ -153,7 +154,7 @@ class RemoteSource:
     def take_reply(self, ref: Any, wait: float) -> None:
         try:
             reply = ray.get(ref, timeout=max(wait, 1.0))
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayError:  # the host died, or the node with its objects
             self.recover()
             return
         self.size, self.committed = reply["size"], reply["committed"]
@@ -174,9 +175,9 @@ class RemoteSource:
         if not node_alive(self.node_id):
             raise NodeLost(self.node_id, f"node {self.node_id[:12]} is gone")
         try:
-            info = ray.get(self.host.open_pool.remote(self.pool_id, self.pool_kwargs),
-                           timeout=timeout)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            info = call_actor(self.host.open_pool, self.pool_id, self.pool_kwargs,
+                              timeout=timeout)
+        except ray.exceptions.RayError as e:  # dead for good, unschedulable, timed out
             raise NodeLost(self.node_id, f"the host of node {self.node_id[:12]} is gone "
                            f"({type(e).__name__})") from None
         self.pid = info["pid"]
