@@ -290,7 +290,8 @@ class ClusterSampler:
         self.rows_from = np.zeros(len(self._sources), np.int64)
         self.batches = 0
         self.dropped: list[str] = []
-        self._wait_s = 0.0
+        self._wait_s = 0.0  # blocked for rows: pool waits, Ray waits and gets, admission
+        self._next_s = 0.0  # all of next(): the waits plus drawing and copying rows
         self._started = time.monotonic()
 
     # -- the learner's loop ------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class ClusterSampler:
                 break
             except NodeLost as e:
                 self._drop(self.node_ids.index(e.node_id), str(e))
-        self._wait_s += time.perf_counter() - t0
+        self._next_s += time.perf_counter() - t0
         self.batches += 1
         batch = ClusterBatch(dict(self._out), self._indices, self._lanes, self._weights, nodes,
                              self._release)
@@ -351,7 +352,9 @@ class ClusterSampler:
             for src in self._sources:
                 if src is not None:
                     src.poll()
+            t0 = time.perf_counter()
             time.sleep(0.005)
+            self._wait_s += time.perf_counter() - t0
 
     def _counts(self) -> tuple[np.ndarray, np.ndarray]:
         c = np.array([(0, 0) if src is None else src.counts() for src in self._sources],
@@ -380,7 +383,9 @@ class ClusterSampler:
             chunk = self._current[k]
             if chunk is None or chunk.offset >= chunk.rows:
                 self._current[k] = None  # copied out before a local pool reuses its slot
+                t0 = time.perf_counter()
                 chunk = src.next_chunk(min(WAIT_S, deadline - time.monotonic()))
+                self._wait_s += time.perf_counter() - t0
                 if chunk is None:
                     if time.monotonic() >= deadline:
                         raise Timeout(
@@ -426,6 +431,7 @@ class ClusterSampler:
             "batches_per_s": self.batches / elapsed,
             "learner_wait_s": self._wait_s,
             "learner_wait_per_batch_s": self._wait_s / max(self.batches, 1),
+            "learner_next_s": self._next_s,
             "nodes": [
                 {"node_id": node, "local": src is not None and not src.remote,
                  "dropped": src is None, "size": int(s), "committed": int(c),
