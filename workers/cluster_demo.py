@@ -7,6 +7,7 @@ column per node (its inserts/s and its share of the rows sampled).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Any, Callable
@@ -23,13 +24,13 @@ def start_local_cluster(n_nodes: int) -> Any:
     import ray
     from ray.cluster_utils import Cluster
 
-    args = {"num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE_BYTES}
+    args: dict[str, Any] = {"num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE_BYTES}
     cluster = Cluster(initialize_head=True, head_node_args=dict(args))
     try:
         for _ in range(n_nodes - 1):
             cluster.add_node(**args)
         cluster.wait_for_nodes(timeout=120)
-        ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
     except BaseException:
         cluster.shutdown()
         raise

@@ -13,15 +13,10 @@ from typing import Any
 import numpy as np
 
 from shmbuf import ReplayBuffer, segment
-from shmbuf.errors import (
-    SegmentExistsError,
-    SegmentNotFoundError,
-    SpecMismatchError,
-    Timeout,
-)
+from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
 from shmbuf.storage import BufferStorage
 
-from .pool import SamplerPool
+from .cluster_sources import NodePool
 
 ADOPT_WAIT_S = 10.0  # how long a restarted host waits for its dead predecessor's lease to drop
 
@@ -68,7 +63,7 @@ def remove_leaked_segments(prefix: str) -> list[str]:
 
 class NodeHost:
     """Runs on one Ray node (node affinity): creates or re-adopts the node's ``ReplayBuffer``
-    and serves its rows to learners elsewhere through per-learner ``SamplerPool`` s.
+    and serves its rows to learners elsewhere, one ``NodePool`` per learner's sampler.
 
     Concurrency: a Ray actor handles one call at a time, so a pool's batch is still held when
     its reply is serialised into the object store (before the next call runs). Writers on the
@@ -80,8 +75,7 @@ class NodeHost:
                  buffer_kwargs: dict[str, Any] | None = None) -> None:
         self.buffer, self.adopted = open_node_buffer(name, spec, capacity, lanes,
                                                      dict(buffer_kwargs or {}))
-        self.pools: dict[str, SamplerPool] = {}
-        self.started = time.time()
+        self.pools: dict[str, NodePool] = {}
 
     # -- what the cluster asks ------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -93,41 +87,25 @@ class NodeHost:
                 "name": buf.name, "adopted": self.adopted, "size": len(buf),
                 "committed": int(np.sum(buf.committed())), "pools": sorted(self.pools)}
 
-    def counts(self) -> tuple[int, int]:
-        """``(rows held, rows ever committed)``."""
-        return len(self.buffer), int(np.sum(self.buffer.committed()))
-
     def open_pool(self, pool_id: str, pool_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Start the sampler pool ``pool_id`` (idempotent: a known id is left as it is)."""
+        """Start the pool ``pool_id`` (idempotent); its counts, this host's pid and whether the
+        buffer was adopted."""
         if pool_id not in self.pools:
-            self.pools[pool_id] = SamplerPool(self.buffer, **pool_kwargs)
-        return self.info()
+            self.pools[pool_id] = NodePool(self.buffer, pool_kwargs)
+        return {**self.pools[pool_id].counts(), "pid": os.getpid(), "adopted": self.adopted}
 
     def fetch(self, pool_id: str, wait_s: float) -> dict[str, Any]:
-        """One batch of the pool's rows (``rows`` of them, 0 if none came within ``wait_s``),
-        with the node's counts. The arrays are the pool's staging views: Ray copies them into
-        the object store when this call returns, before the slot can be refilled."""
-        size, committed = self.counts()
-        reply: dict[str, Any] = {"rows": 0, "size": size, "committed": committed,
-                                 "pid": os.getpid()}
+        """One batch of the pool's rows (``rows`` 0 if none came within ``wait_s``) with the
+        node's counts. The arrays are the pool's staging views: Ray copies them into the object
+        store when this call returns, before the slot can be refilled."""
         pool = self.pools.get(pool_id)
-        if pool is None:
-            reply["missing"] = True  # e.g. this host restarted: the learner opens it again
-            return reply
-        try:
-            batch = pool.next(timeout=wait_s)
-        except Timeout:
-            return reply
-        reply.update(rows=batch.batch_size, fields={k: batch[k] for k in batch},
-                     indices=batch.indices, lanes=batch.lanes, weights=batch.weights)
-        return reply
+        if pool is None:  # e.g. this host restarted: the learner opens it again
+            return {"rows": 0, "missing": True, "pid": os.getpid()}
+        return pool.next_reply(wait_s)
 
-    def update_priorities(self, pool_id: str, lanes: np.ndarray, indices: np.ndarray,
-                          priorities: np.ndarray) -> int:
+    def update_priorities(self, pool_id: str, lanes: Any, indices: Any, priorities: Any) -> int:
         pool = self.pools.get(pool_id)
-        if pool is None:
-            return 0
-        return pool.update_priorities(indices, priorities, lanes=lanes)
+        return 0 if pool is None else pool.update_priorities(lanes, indices, priorities)
 
     def close_pool(self, pool_id: str, timeout: float = 5.0) -> None:
         pool = self.pools.pop(pool_id, None)
@@ -141,6 +119,3 @@ class NodeHost:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             self.buffer.close()
-
-    def pid(self) -> int:
-        return os.getpid()
