@@ -5,6 +5,9 @@ ones: a killed actor is restarted by Ray, an exception or a death past the budge
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 import traceback
 import warnings
 from typing import Any, Callable
@@ -18,6 +21,9 @@ from shmbuf.errors import ActorError, ClosedError
 
 from .actors import ActorContext
 from .cluster_nodes import NodeLostError, NodeLostWarning, node_alive, on_node
+
+
+PID_ASK_S = 2.0  # a restarting actor's pid is asked for again after this long
 
 
 class ClusterActorContext(ActorContext):
@@ -37,7 +43,10 @@ class ClusterActorContext(ActorContext):
 
 
 class ActorRunner:
-    """The Ray actor around one user actor (two threads: ``run`` and ``stop`` may overlap)."""
+    """The Ray actor around one user actor. Its constructor starts the actor function in a
+    thread, so a process that Ray restarts (it runs the constructor again) goes back to work
+    at once, supervised or not; ``wait``, ``pid``, ``rerun`` and ``stop`` are its calls (two
+    may run at a time)."""
 
     def __init__(self, client: Any, fn_bytes: bytes, actor_id: int, node_id: str, lane: int,
                  entropy: int, lane_timeout: float) -> None:
@@ -45,18 +54,30 @@ class ActorRunner:
         self.actor_id, self.node_id, self.lane = actor_id, node_id, lane
         self.entropy, self.lane_timeout = entropy, lane_timeout
         self.stop_requested = False
+        self.result: str | None = None  # None while the function runs
+        self.rerun(1 if ray.get_runtime_context().was_current_actor_reconstructed else 0)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
-    def run(self, incarnation: int) -> str:
-        """Run the actor function on this node's buffer until it returns; "" or a traceback."""
+    def rerun(self, incarnation: int) -> None:
+        """Run the actor function (again) in a new thread."""
+        self.result = None
+        self.thread = threading.Thread(target=self._main, args=(incarnation,), daemon=True,
+                                       name=f"shmbuf-actor-{self.actor_id}")
+        self.thread.start()
+
+    def wait(self) -> str:
+        """Wait for the actor function to end: "" when it returned, else its traceback."""
+        self.thread.join()
+        return self.result or ""
+
+    def _main(self, incarnation: int) -> None:
         try:
             fn = cloudpickle.loads(self.fn_bytes)
             buf = self.client.buffer()
-            seed = np.random.SeedSequence(self.entropy, spawn_key=(self.actor_id, incarnation))
+            seed = np.random.SeedSequence(self.entropy,
+                                          spawn_key=(self.actor_id, incarnation, os.getpid()))
             with buf.writer(lane=self.lane, timeout=self.lane_timeout) as writer:
                 ctx = ClusterActorContext(self, writer, buf, incarnation, seed)
                 writer.stop_when = lambda: ctx.stopping  # a stop also ends a limiter wait
@@ -66,8 +87,9 @@ class ActorRunner:
                     if not self.stop_requested:
                         raise
         except BaseException:  # noqa: BLE001 - the supervisor reports it
-            return traceback.format_exc()
-        return ""
+            self.result = traceback.format_exc()
+            return
+        self.result = ""
 
     def stop(self) -> None:
         self.stop_requested = True
@@ -76,15 +98,18 @@ class ActorRunner:
 class _Slot:
     """The supervisor's record of one actor (id, node and lane survive restarts).
 
-    While ``run_ref`` is set the actor runs; after its process died, ``pid_ref`` asks the
-    actor for its pid until Ray has restarted it (a new pid: one restart), then it runs again.
+    ``wait_ref`` waits for the actor function to end. When the process died instead, Ray
+    restarts it (and it goes back to work by itself); ``pid_ref`` asks for its pid until the
+    restarted process answers (a new pid: one restart), then a new wait is sent.
     """
 
     def __init__(self, actor_id: int, node_id: str, lane: int, handle: Any) -> None:
         self.actor_id, self.node_id, self.lane, self.handle = actor_id, node_id, lane, handle
         self.incarnation = 0
-        self.run_ref: Any = None
-        self.pid_ref: Any = handle.pid.remote()
+        self.wait_ref: Any = None
+        self.pid_ref: Any = None
+        self.asked = 0.0  # when pid_ref was sent
+        self.ask_pid()
         self.pid: int | None = None
         self.restarts = 0
         self.finished = False
@@ -94,8 +119,8 @@ class _Slot:
     def where(self) -> str:
         return f"actor {self.actor_id} (node {self.node_id[:12]}, lane {self.lane})"
 
-    def start(self) -> None:
-        self.run_ref = self.handle.run.remote(self.incarnation)
+    def ask_pid(self) -> None:
+        self.pid_ref, self.asked = self.handle.pid.remote(), time.monotonic()
 
 
 class ClusterActors:
@@ -113,7 +138,10 @@ class ClusterActors:
         strict: actors on a lost node raise ``NodeLostError`` from ``poll()`` (default: they
             are dropped with a ``NodeLostWarning``).
 
-    Supervision is explicit and never blocks: call ``poll()`` now and then.
+    A killed actor process is restarted by Ray, and goes back to work by itself (its lane is
+    free again: the dead writer's lease died with it). ``poll()`` (never blocks; call it now
+    and then) counts those restarts, runs an actor that raised again, and reports what is past
+    ``max_restarts`` or lost.
     """
 
     def __init__(self, cluster: Any, actor_fn: Callable[[ClusterActorContext], Any],
@@ -145,8 +173,6 @@ class ClusterActors:
                                         **on_node(node)).remote(
                     client, fn_bytes, actor_id, node, lane, entropy, lane_timeout)
                 self._slots.append(_Slot(actor_id, node, lane, handle))
-        for slot in self._slots:
-            slot.start()
 
     # -- supervision ------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -160,7 +186,10 @@ class ClusterActors:
             return
         pending = {}
         for slot in self._slots:
-            for ref in (slot.run_ref, slot.pid_ref):
+            if (slot.pid_ref is not None and not slot.finished
+                    and time.monotonic() - slot.asked > PID_ASK_S):
+                slot.ask_pid()  # a call sent while Ray restarted the actor can stay unanswered
+            for ref in (slot.wait_ref, slot.pid_ref):
                 if ref is not None and not slot.finished:
                     pending[ref] = slot
         if not pending:
@@ -170,14 +199,14 @@ class ClusterActors:
             slot = pending[ref]
             if ref is slot.pid_ref:
                 self._on_pid(slot)
-            elif ref is slot.run_ref:
-                self._on_run_end(slot)
+            elif ref is slot.wait_ref:
+                self._on_end(slot)
 
     def _on_pid(self, slot: _Slot) -> None:
         try:
             pid = ray.get(slot.pid_ref, timeout=10.0)
         except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
-            slot.pid_ref = slot.handle.pid.remote()
+            slot.ask_pid()
             return
         except ray.exceptions.RayError as e:
             slot.pid_ref = None
@@ -188,22 +217,22 @@ class ClusterActors:
             slot.restarts += 1
             slot.incarnation += 1
         slot.pid = pid
-        if slot.run_ref is None:
-            slot.start()
+        if slot.wait_ref is None:
+            slot.wait_ref = slot.handle.wait.remote()
 
-    def _on_run_end(self, slot: _Slot) -> None:
+    def _on_end(self, slot: _Slot) -> None:
         try:
-            tb = ray.get(slot.run_ref, timeout=10.0)
+            tb = ray.get(slot.wait_ref, timeout=10.0)
         except ray.exceptions.ActorUnavailableError:
             tb = None  # the process died (Ray restarts it), or was restarting when called
         except ray.exceptions.RayError as e:
-            slot.run_ref = None
+            slot.wait_ref = None
             self._dead(slot, e)
             return
-        slot.run_ref = None
+        slot.wait_ref = None
         if tb is None:
             if slot.pid_ref is None:
-                slot.pid_ref = slot.handle.pid.remote()  # runs again once a pid answers
+                slot.ask_pid()  # waits again once the restarted process answers
             return
         if tb == "" or self._stopped:
             slot.finished = True
@@ -213,7 +242,8 @@ class ClusterActors:
             raise ActorError(f"{slot.where} raised after {slot.restarts} restarts: {tb}")
         slot.restarts += 1
         slot.incarnation += 1
-        slot.start()
+        slot.handle.rerun.remote(slot.incarnation)  # the same process: run the function again
+        slot.wait_ref = slot.handle.wait.remote()
 
     def _dead(self, slot: _Slot, e: Exception) -> None:
         """The actor is dead for good (restarts used up, or its node is gone)."""
@@ -264,7 +294,7 @@ class ClusterActors:
         for s in self._slots:
             if not s.lost:
                 s.handle.stop.remote()
-        refs = [s.run_ref for s in self._slots if not s.lost and s.run_ref is not None]
+        refs = [s.wait_ref for s in self._slots if not s.lost and s.wait_ref is not None]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout)
         for s in self._slots:

@@ -103,6 +103,12 @@ class NodeHost:
             return {"rows": 0, "missing": True, "pid": os.getpid()}
         return pool.next_reply(wait_s)
 
+    def counts(self, pool_id: str) -> dict[str, Any]:
+        """The pool's node counts (for the split), without rows."""
+        pool = self.pools.get(pool_id)
+        out = {} if pool is None else pool.counts()
+        return {**out, "pid": os.getpid()}
+
     def update_priorities(self, pool_id: str, lanes: Any, indices: Any, priorities: Any) -> int:
         pool = self.pools.get(pool_id)
         return 0 if pool is None else pool.update_priorities(lanes, indices, priorities)

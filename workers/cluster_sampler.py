@@ -30,6 +30,7 @@ CALL_BYTES = 4 << 20  # default rows per remote call: about this many bytes,
 CALL_BATCHES = 64  # and at most this many batches' rows
 WAIT_S = 0.2  # how long a host waits for rows before answering "none yet"
 SAMPLERS = ("uniform", "prioritized", "queue")
+POLL_EVERY_S = 0.01  # how often next() takes in every node's replies and counts
 
 
 class ClusterBatch(Batch):
@@ -171,6 +172,7 @@ class ClusterSampler:
         self.batches = 0
         self.dropped: list[str] = []
         self._turn = 0
+        self._polled = 0.0
         self._prio_refs: list[Any] = []
         self._prio_sent = 0
         self._wait_s = 0.0  # blocked for rows: pool waits, Ray waits and gets, admission
@@ -201,6 +203,11 @@ class ClusterSampler:
             self._held.release()
         t0 = time.perf_counter()
         deadline = time.monotonic() + wait
+        if time.monotonic() - self._polled > POLL_EVERY_S:  # counts of nodes not drawn lately
+            self._polled = time.monotonic()
+            for src in self._sources:
+                if src is not None:
+                    src.poll()
         while True:
             try:
                 if self.sampler == "queue":

@@ -7,6 +7,7 @@ what both run on their node: the pool, plus what its priority table says about t
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections import deque
 from typing import Any
@@ -20,6 +21,12 @@ from shmbuf.priority import PriorityTable
 
 from .cluster_nodes import HostRestartedWarning, call_actor, node_alive
 from .pool import SamplerPool
+
+
+_NO_ROWS = np.empty(0, np.int64)
+_NO_PRIORITIES = np.empty(0, np.float64)
+STALL_S = 20.0  # a call unanswered this long (beyond its own wait) means a host in trouble
+COUNTS_EVERY_S = 0.02  # how often a remote node's counts are asked for between its replies
 
 
 def _priority_tables(buffer_name: str) -> set[str]:
@@ -57,11 +64,14 @@ class NodePool:
 
     def counts(self) -> dict[str, Any]:
         """Rows held, rows ever committed, the split weight (rows, or total priority) and the
-        smallest stored priority (inf for none)."""
+        smallest stored priority (inf for none). New rows enter the priority table first (at
+        the maximum priority), as the pool's own ``next()`` would: a node the learner has not
+        drawn from lately still shows them."""
         size = len(self.buffer)
         out = {"size": size, "committed": int(np.sum(self.buffer.committed())),
                "weight": float(size), "vmin": np.inf}
         if self.table is not None:
+            self.pool.update_priorities(_NO_ROWS, _NO_PRIORITIES, lanes=_NO_ROWS)  # the sync
             out["weight"] = float(self.table.sums[:, 1].sum())
             out["vmin"] = float(self.table.mins[:, 1].min())
         return out
@@ -164,10 +174,13 @@ class RemoteSource:
         self.node_id, self.host, self.pool_id = node_id, host, pool_id
         self.pool_kwargs, self.depth, self.wait = pool_kwargs, depth, wait
         self.inflight: deque[Any] = deque()
+        self.sent: deque[float] = deque()  # when each call in flight was made
         self.ready: deque[Chunk] = deque()
         self.last: dict[str, Any] = {"size": 0, "committed": 0, "weight": 0.0, "vmin": np.inf}
         self.calls = self.bytes = self.restarts = 0
         self.pid: int | None = None
+        self.counting: Any = None  # a counts() call in flight
+        self.counted = 0.0
         self.opened = host.open_pool.remote(pool_id, pool_kwargs)  # the sampler waits for it
 
     def started(self, info: dict[str, Any]) -> None:
@@ -177,30 +190,54 @@ class RemoteSource:
         self.refill()
 
     def refill(self) -> None:
-        while len(self.inflight) < self.depth:
+        """Keep ``depth`` calls' rows in flight or ready, no more (a node drawn from rarely
+        does not pile up replies)."""
+        while len(self.inflight) + len(self.ready) < self.depth:
             self.inflight.append(self.host.fetch.remote(self.pool_id, self.wait))
+            self.sent.append(time.monotonic())
 
     def counts(self) -> dict[str, Any]:
         return self.last
 
     def poll(self) -> None:
-        """Take in whatever replies have arrived, without waiting."""
+        """Take in whatever replies have arrived, without waiting; ask for fresh counts when
+        the last ones are older than ``COUNTS_EVERY_S`` (a node not drawn from sends no rows,
+        but its counts must still move for the split)."""
         if self.inflight:
             done, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=0)
-            self.take(done)
+            self.take(set(done))
+        now = time.monotonic()
+        if self.counting is not None:
+            done, _ = ray.wait([self.counting], timeout=0)
+            if done:
+                ref, self.counting = self.counting, None
+                try:
+                    c = ray.get(ref, timeout=10.0)
+                except ray.exceptions.RayError:
+                    c = None  # a dead host: the fetches in flight tell
+                if c is not None and c.get("pid") == self.pid and "size" in c:
+                    self.last.update({k: c[k] for k in self.last})
+                    self.counted = now
+        elif now - self.counted > COUNTS_EVERY_S and not self.inflight:  # (a reply has them)
+            self.counting = self.host.counts.remote(self.pool_id)
         self.refill()
 
     def next_chunk(self, wait: float) -> Chunk | None:
         if not self.ready:
             self.refill()
-            done, _ = ray.wait(list(self.inflight), num_returns=1, timeout=max(wait, 0.0))
-            self.take(done)
+            done, _ = ray.wait([self.inflight[0]], timeout=max(wait, 0.0))
+            self.take(set(done))
+            if not done and time.monotonic() - self.sent[0] > STALL_S + self.wait:
+                self.recover()  # a call made while Ray restarted the host can stay unanswered
             self.refill()
         return self.ready.popleft() if self.ready else None
 
-    def take(self, done: list[Any]) -> None:
-        for ref in done:
-            self.inflight.remove(ref)
+    def take(self, done: set[Any]) -> None:
+        """Take in the replies of ``done`` at the head of the calls in flight, in the order the
+        calls were made (a queue's rows must stay in order)."""
+        while self.inflight and self.inflight[0] in done:
+            ref = self.inflight.popleft()
+            self.sent.popleft()
             try:
                 reply = ray.get(ref, timeout=10.0)  # ready: only deserialised here
             except ray.exceptions.RayError:  # the host died, or the node with its objects
@@ -210,6 +247,7 @@ class RemoteSource:
                 self.recover()  # a restarted host that we had not noticed yet
                 return
             self.last.update({k: reply[k] for k in self.last})
+            self.counted = time.monotonic()
             if reply["rows"]:
                 self.calls += 1
                 self.bytes += sum(a.nbytes for a in reply["fields"].values())
@@ -219,6 +257,8 @@ class RemoteSource:
         """The host died (calls in flight failed): if Ray restarted it, open the pool again; if
         the node or the host is gone for good, raise ``NodeLost``."""
         self.inflight.clear()
+        self.sent.clear()
+        self.counting = None
         if not node_alive(self.node_id):
             raise NodeLost(self.node_id, f"node {self.node_id[:12]} is gone")
         try:
@@ -240,6 +280,7 @@ class RemoteSource:
 
     def close(self) -> None:
         self.inflight.clear()
+        self.sent.clear()
         self.ready.clear()
         try:
             self.host.close_pool.remote(self.pool_id)
