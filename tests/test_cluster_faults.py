@@ -141,7 +141,8 @@ def test_removed_node_is_dropped_or_raises_when_strict(ray_nodes, strict):
                  for k, n in enumerate(pair)], timeout=60)
         group = cluster.actors(row_actor(pair), per_node=1, nodes=[extra.node_id],
                                strict=strict)
-        with cluster.sampler(32, seed=5, timeout=90, strict=strict) as sampler:
+        with cluster.sampler(32, seed=5, timeout=90, strict=strict, rows_per_call=64,
+                             prefetch_calls=2) as sampler:
             assert sample_checked(sampler, 10)[1] > 0
             cluster_utils.remove_node(extra, allow_graceful=False)
             if strict:

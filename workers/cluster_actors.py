@@ -45,8 +45,8 @@ class ClusterActorContext(ActorContext):
 class ActorRunner:
     """The Ray actor around one user actor. Its constructor starts the actor function in a
     thread, so a process that Ray restarts (it runs the constructor again) goes back to work
-    at once, supervised or not; ``wait``, ``pid``, ``rerun`` and ``stop`` are its calls (two
-    may run at a time)."""
+    at once, supervised or not; ``wait``, ``pid`` and ``stop`` are its calls (two may run at
+    a time)."""
 
     def __init__(self, client: Any, fn_bytes: bytes, actor_id: int, node_id: str, lane: int,
                  entropy: int, lane_timeout: float) -> None:
@@ -57,8 +57,9 @@ class ActorRunner:
         self.result: str | None = None  # None while the function runs
         self.rerun(1 if ray.get_runtime_context().was_current_actor_reconstructed else 0)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def pid(self) -> tuple[int, bool]:
+        """This process's id, and whether Ray restarted the actor into it."""
+        return os.getpid(), ray.get_runtime_context().was_current_actor_reconstructed
 
     def rerun(self, incarnation: int) -> None:
         """Run the actor function (again) in a new thread."""
@@ -67,8 +68,11 @@ class ActorRunner:
                                        name=f"shmbuf-actor-{self.actor_id}")
         self.thread.start()
 
-    def wait(self) -> str:
-        """Wait for the actor function to end: "" when it returned, else its traceback."""
+    def wait(self, rerun: int | None = None) -> str:
+        """Wait for the actor function to end: "" when it returned, else its traceback. With
+        ``rerun`` (an incarnation), first run it again if it has ended."""
+        if rerun is not None and not self.thread.is_alive():
+            self.rerun(rerun)
         self.thread.join()
         return self.result or ""
 
@@ -213,12 +217,18 @@ class ClusterActors:
             self._dead(slot, e)
             return
         slot.pid_ref = None
-        if slot.pid is not None and pid != slot.pid:  # Ray restarted the process
+        self._seen(slot, *pid)
+        if slot.wait_ref is None:
+            slot.wait_ref = slot.handle.wait.remote()
+
+    @staticmethod
+    def _seen(slot: _Slot, pid: int, reconstructed: bool) -> None:
+        """The actor answered from ``pid``: a new process (or a first answer from a restarted
+        one) is a restart."""
+        if (pid != slot.pid and slot.pid is not None) or (slot.pid is None and reconstructed):
             slot.restarts += 1
             slot.incarnation += 1
         slot.pid = pid
-        if slot.wait_ref is None:
-            slot.wait_ref = slot.handle.wait.remote()
 
     def _on_end(self, slot: _Slot) -> None:
         try:
@@ -242,8 +252,7 @@ class ClusterActors:
             raise ActorError(f"{slot.where} raised after {slot.restarts} restarts: {tb}")
         slot.restarts += 1
         slot.incarnation += 1
-        slot.handle.rerun.remote(slot.incarnation)  # the same process: run the function again
-        slot.wait_ref = slot.handle.wait.remote()
+        slot.wait_ref = slot.handle.wait.remote(slot.incarnation)  # again, in this process
 
     def _dead(self, slot: _Slot, e: Exception) -> None:
         """The actor is dead for good (restarts used up, or its node is gone)."""
@@ -277,9 +286,13 @@ class ClusterActors:
         out: list[int | None] = []
         for s in self._slots:
             try:
-                out.append(ray.get(s.handle.pid.remote(), timeout=timeout))
+                pid, reconstructed = ray.get(s.handle.pid.remote(), timeout=timeout)
             except ray.exceptions.RayError:
                 out.append(None)
+                continue
+            if s.pid is None:  # what poll() has not heard yet
+                self._seen(s, pid, reconstructed)
+            out.append(pid)
         return out
 
     def node_of(self, actor_id: int) -> str:

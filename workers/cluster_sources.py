@@ -19,7 +19,7 @@ from shmbuf import ReplayBuffer, segment
 from shmbuf.errors import Timeout
 from shmbuf.priority import PriorityTable
 
-from .cluster_nodes import HostRestartedWarning, call_actor, node_alive
+from .cluster_nodes import HostRestartedWarning, call_actor, current_node_id, node_alive
 from .pool import SamplerPool
 
 
@@ -286,3 +286,21 @@ class RemoteSource:
             self.host.close_pool.remote(self.pool_id)
         except Exception:  # noqa: BLE001 - the host is gone
             pass
+
+
+def open_sources(cluster: Any, sources: list[Any], pool_id: str, pool_kwargs: dict[str, Any],
+                 seed: int | None, depth: int, wait: float, timeout: float) -> None:
+    """Append a source per node of ``cluster`` to ``sources`` (local for this process's node,
+    remote for the others, each pool seeded apart) and wait for the hosts' pools to open."""
+    seeds = np.random.SeedSequence(seed).spawn(len(cluster.node_ids) + 1)[1:]
+    here = current_node_id()
+    for node, seed_k in zip(cluster.node_ids, seeds):
+        kw = dict(pool_kwargs, seed=seed_k)
+        if node == here:
+            sources.append(LocalSource(node, cluster.buffer_names[node], kw))
+        else:
+            sources.append(RemoteSource(node, cluster.hosts[node], pool_id, kw, depth, wait))
+    remote = [s for s in sources if s.remote]
+    for src, info in zip(remote, ray.get([s.opened for s in remote], timeout=timeout)):
+        src.started(info)
+
