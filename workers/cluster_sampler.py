@@ -32,7 +32,7 @@ from .cluster_nodes import NodeLostError, NodeLostWarning
 from .cluster_sources import Chunk, NodeLost, open_sources
 from .config import _beta_schedule
 
-CALL_BYTES = 4 << 20  # default rows per remote call: about this many bytes,
+CALL_BYTES = 16 << 20  # default rows per remote call: about this many bytes,
 CALL_BATCHES = 64  # and at most this many batches' rows
 WAIT_S = 0.2  # how long a host waits for rows before answering "none yet"
 SAMPLERS = ("uniform", "prioritized", "queue")
@@ -49,7 +49,7 @@ class ClusterSampler:
             priorities: per-node sum trees, ``alpha``/``beta``/``eps`` as ``SamplerPool``,
             ``update_priorities`` routed to each row's node) or "queue" (every row of every
             node delivered exactly once, oldest first per lane, nodes in turn).
-        rows_per_call: rows a remote node ships per Ray call (default: about 4 MiB of rows,
+        rows_per_call: rows a remote node ships per Ray call (default: about 16 MiB of rows,
             at least one batch and at most 64; one batch for the queue); also the batch size
             of every node's pool.
         prefetch_calls: calls kept in flight per remote node.
@@ -111,7 +111,7 @@ class ClusterSampler:
         self.dropped: list[str] = []
         self._turn = 0
         self._polled = 0.0
-        self._wait_s = 0.0  # blocked for rows: pool waits, Ray waits and gets, admission
+        self._wait_s = 0.0  # blocked in admission (min_size, rate limit) and the queue's polls
         self._next_s = 0.0  # all of next(): the waits plus drawing and copying rows
         self._started = time.monotonic()
 
@@ -215,9 +215,7 @@ class ClusterSampler:
         if chunk is not None and chunk.offset < chunk.rows:
             return chunk
         self._current[k] = None  # copied out before a local pool reuses its slot
-        t0 = time.perf_counter()
         chunk = self._sources[k].next_chunk(wait)
-        self._wait_s += time.perf_counter() - t0
         if chunk is not None and self.sampler == "queue":
             self._queue.admit(k, chunk)
         self._current[k] = chunk
@@ -300,6 +298,7 @@ class ClusterSampler:
         """Batches/s, rows per node, node counts, learner wait, remote calls, host restarts."""
         elapsed = max(time.monotonic() - self._started, 1e-9)
         counts = self._counts()
+        wait = self._wait_s + sum(s.blocked_s for s in self._sources if s is not None)
         nodes = [{"node_id": node, "local": src is not None and not src.remote,
                   "dropped": src is None, "size": int(c[0]), "committed": int(c[1]),
                   "weight": float(c[2]), "rows_sampled": int(r),
@@ -307,8 +306,8 @@ class ClusterSampler:
                   "host_restarts": getattr(src, "restarts", 0)}
                  for node, src, c, r in zip(self.node_ids, self._sources, counts, self.rows_from)]
         return {"batches": self.batches, "batches_per_s": self.batches / elapsed,
-                "learner_wait_s": self._wait_s, "learner_next_s": self._next_s,
-                "learner_wait_per_batch_s": self._wait_s / max(self.batches, 1),
+                "learner_wait_s": wait, "learner_next_s": self._next_s,
+                "learner_wait_per_batch_s": wait / max(self.batches, 1),
                 "nodes": nodes, "dropped": list(self.dropped), "elapsed_s": elapsed,
                 "priority_updates_sent": self._priorities.sent,
                 "queue_gaps": self._queue.gaps, "queue_repeats": self._queue.repeats}

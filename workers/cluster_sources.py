@@ -142,13 +142,16 @@ class LocalSource:
         self.node = NodePool(buffer_name, pool_kwargs)
         self.calls = 0
         self.bytes = self.restarts = 0
+        self.blocked_s = 0.0  # in the pool's next(): waiting for a batch (or taking one)
 
     def counts(self) -> dict[str, Any]:
         return self.node.counts()
 
     def next_chunk(self, wait: float) -> Chunk | None:
         """The pool's next batch (views, valid until the next call), or None."""
+        t0 = time.perf_counter()
         reply = self.node.next_reply(wait)
+        self.blocked_s += time.perf_counter() - t0
         if not reply["rows"]:
             return None
         self.calls += 1
@@ -178,6 +181,7 @@ class RemoteSource:
         self.ready: deque[Chunk] = deque()
         self.last: dict[str, Any] = {"size": 0, "committed": 0, "weight": 0.0, "vmin": np.inf}
         self.calls = self.bytes = self.restarts = 0
+        self.blocked_s = 0.0  # waiting for the oldest call's reply to arrive
         self.pid: int | None = None
         self.counting: Any = None  # a counts() call in flight
         self.counted = 0.0
@@ -225,7 +229,9 @@ class RemoteSource:
     def next_chunk(self, wait: float) -> Chunk | None:
         if not self.ready:
             self.refill()
+            t0 = time.perf_counter()
             done, _ = ray.wait([self.inflight[0]], timeout=max(wait, 0.0))
+            self.blocked_s += time.perf_counter() - t0
             self.take(set(done))
             if not done and time.monotonic() - self.sent[0] > STALL_S + self.wait:
                 self.recover()  # a call made while Ray restarted the host can stay unanswered
