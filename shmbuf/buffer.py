@@ -27,7 +27,7 @@ from .records import EpisodeSurface
 from .sampling import Draw, Windows, draw_uniform
 from .sampling.plan import Compiled, Plan
 from .spec import Spec
-from .stats import buffer_stats
+from .stats import buffer_stats, transitions
 from .storage import BufferStorage
 from .vector import VectorWriter
 from .writer import Writer
@@ -146,7 +146,7 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
         """Transitions readable now, over all lanes; never internal rows (the final-observation
         row each episode keeps with ``next_obs="derived"`` is not counted)."""
         self._check_open()
-        return self._storage.transitions()
+        return transitions(self._storage)
 
     @property
     def is_full(self) -> bool:

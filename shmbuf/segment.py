@@ -5,9 +5,10 @@ owner holds the ``LOCK_OWNER`` lease (``lease.py``) for as long as it lives, and
 segment on ``close()``, or at exit and on a fatal signal (``cleanup.py``). A segment whose owner
 lease is free was leaked by a dead owner; ``shmbuf gc`` (``scan.py``) removes only those.
 
-Concurrency: the header is written once, by the creator, before the magic; after that it is
-read-only. Leases are OFD locks on a file description of this process's own, so they die with
-it, and a forked child closes the ones it inherits.
+Concurrency: the header is written once, by the creator, before the magic; after that only the
+owner pid/start change (``BufferStorage.adopt``). Leases are OFD locks on a description opened
+by this process (``/proc/self/fd``), so they die with it, even by SIGKILL, and are never shared
+with a forked child: children close inherited lease descriptors at fork.
 
 Headers are untrusted input (any process of the user can write /dev/shm): ``read_header``
 bounds every length before reading and validates every field, so a malformed file is a
@@ -22,8 +23,10 @@ import math
 import mmap
 import os
 import stat
+import struct
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,6 +337,32 @@ class Segment:
             os.close(fd)
             raise
         return cls(bare, fd, mm, header, owner=False)
+
+    @classmethod
+    def adopt(cls, name: str, kind: int | None = None, timeout: float = 5.0) -> Segment:
+        """Attach to a segment whose owner died and become its owner: take the owner lease,
+        record this process in the header, and unlink the segment at close/exit as its creator
+        would. Its contents are untouched.
+
+        Raises:
+            SegmentNotFoundError: no segment of that name (it is gone: create a new one).
+            SegmentExistsError: its owner is alive (the lease is held); nothing changed.
+        """
+        seg = cls.attach(name, kind, timeout=timeout)
+        lease = seg.lease()
+        if not lease.try_lock(L.LOCK_OWNER):
+            lease.close()
+            seg.close()
+            raise SegmentExistsError(
+                f"segment {seg.name!r} has a live owner (pid {seg.header.owner_pid}); only a "
+                f"segment whose owner died can be adopted. Fix: attach to it instead")
+        pid, start = os.getpid(), process_start_time(os.getpid())
+        assert seg.buf is not None
+        seg.buf[L.H_OWNER_PID:L.H_OWNER_START + 8] = struct.pack("<QQ", pid, start)
+        seg.header = dataclasses.replace(seg.header, owner_pid=pid, owner_start=start)
+        seg.owner, seg.owner_lease, seg.pid = True, lease, pid
+        register_owned(seg.name)
+        return seg
 
     # -- liveness ----------------------------------------------------------------------------------
     def owner_alive(self) -> bool:

@@ -125,6 +125,11 @@ class BufferStorage:
         """Map an existing buffer's segment by name. Never resizes or changes it."""
         return cls(Segment.attach(name, L.KIND_BUFFER, timeout=timeout))
 
+    @classmethod
+    def adopt(cls, name: str, timeout: float = 5.0) -> BufferStorage:
+        """Become the owner of a buffer whose owner died (``Segment.adopt``); rows untouched."""
+        return cls(Segment.adopt(name, L.KIND_BUFFER, timeout=timeout))
+
     # -- views ---------------------------------------------------------------------------------------
     def map_views(self) -> None:
         mm, lay = self.segment.buf, self.layout
@@ -217,21 +222,6 @@ class BufferStorage:
         """Each lane's readable logical indices ``[lo, hi)`` (``slots.read_windows``: the
         writer's claim is loaded before ``committed``)."""
         return Windows(*slots.read_windows(self.reserved, self.committed, self.capacity))
-
-    def transitions(self, windows: Windows | None = None) -> int:
-        """Transitions readable now over all lanes: the windows' rows, less the FINAL rows
-        (episodes' final observations) of ``next_obs="derived"`` buffers. There that costs a
-        pass over the held rows' meta words (a snapshot: loads only, nothing waits)."""
-        win = self.windows() if windows is None else windows
-        if not self.derived_next_obs:
-            return win.total
-        finals = 0
-        for k in range(self.lanes):
-            lo, n = int(win.lo[k]), int(win.hi[k] - win.lo[k])
-            base = k * self.capacity
-            for a, b, _ in ring_segments(lo, n, self.capacity) if n > 0 else ():
-                finals += int(np.count_nonzero(self.meta[base + a : base + b] & L.FLAG_FINAL))
-        return win.total - finals
 
     def lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
         """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;

@@ -1,7 +1,8 @@
 """``shmbuf demo``: actors stepping environments write to a shared buffer; a sampler pool feeds a
 learner loop. Prints a live line of rates and a summary. The README's main job.
 
-Run with ``shmbuf demo`` (a plugin command of the shmbuf CLI) or ``python -m workers.demo``.
+Run with ``shmbuf demo`` (a plugin command of the shmbuf CLI) or ``python -m workers.demo``;
+``--ray-nodes N`` runs it across N local Ray nodes (``workers.cluster_demo``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def train_step(batch: Any, busy_ms: float) -> float:
 def run(args: argparse.Namespace) -> int:
     spec = _spec_for(args.env)
     capacity = _capacity_for(spec, args.actors, args.capacity, args.batch_size)
+    if args.ray_nodes is not None:
+        from .cluster_demo import run_ray
+
+        return run_ray(args, spec, functools.partial(env_actor, env_id=args.env), train_step,
+                       capacity)
     batch_bytes = spec.row_nbytes * args.batch_size
     min_size = min(args.min_size, capacity * args.actors // 2)
     spi = None if args.samples_per_insert is None else (
@@ -163,6 +169,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="draw throughput over time to this file at the end (needs matplotlib)")
+    p.add_argument("--ray-nodes", type=int, default=None, metavar="N",
+                   help="run across N local Ray nodes (ray.cluster_utils.Cluster): --actors "
+                        "and --workers are per node; needs pip install 'shmbuf[ray]'")
 
 
 def register(subparsers: Any) -> None:

@@ -1,0 +1,137 @@
+"""A local multi-node Ray cluster for the tests of ``workers.cluster``, and the Ray tasks and
+actors that write self-checking rows on a chosen node.
+
+Rows follow ``tests/_helpers/rows.py``; the row's ``lane`` field holds a *global* lane,
+``node_index * lanes_per_node + lane``, so a learner can tell a row of another node (a foreign
+row) from one of the node it was drawn from, besides a torn or stale one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+from shmbuf import scan as segment_scan
+from shmbuf import shmdir
+from tests._helpers.processes import descendants, kill_quietly, wait_dead
+from tests._helpers.rows import RowScheme, ShiftedBatches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = RowScheme(payload_words=8)
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 128 << 20}
+
+
+@contextlib.contextmanager
+def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
+    """Start ``n_nodes`` Ray nodes on this machine and connect; on exit shut all of it down and
+    check that no process of it is left and no cluster segment is left in /dev/shm."""
+    mine_before = set(descendants(os.getpid()))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE_ARGS))
+    try:
+        for _ in range(n_nodes - 1):
+            cluster.add_node(**NODE_ARGS)
+        cluster.wait_for_nodes(timeout=60)
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        stray = [p for p in descendants(os.getpid())
+                 if p not in mine_before and not _multiprocessing_server(p)]
+        left = wait_dead(stray, timeout=30.0)
+        kill_quietly(left)
+        shm = [i.name for i in segment_scan.scan() if i.name.startswith("shmbuf-ray-")]
+        for name in shm:
+            shmdir.unlink(name)
+    assert not left, f"Ray cluster processes still running after shutdown: {left}"
+    assert not shm, f"cluster segments left in /dev/shm: {shm}"
+
+
+def _multiprocessing_server(pid: int) -> bool:
+    """The forkserver (and its resource tracker) that a pool of the learner started: it serves
+    this process for its lifetime, as in every forkserver test."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return b"forkserver" in cmd or b"resource_tracker" in cmd
+
+
+def global_lane(node_index: int, lane: int, lanes_per_node: int) -> int:
+    return node_index * lanes_per_node + lane
+
+
+@ray.remote(num_cpus=0)
+def write_rows(client: Any, node_index: int, lanes_per_node: int, n: int,
+               lane: int | None = None) -> tuple[str, int, int]:
+    """Append ``n`` self-checking rows to a lane of this node's buffer; ``(node, lane, n)``."""
+    with client.writer(lane=lane, timeout=10.0) as w:
+        i0 = int(client.buffer().committed(w.lane))
+        w.extend(ROWS.batch(global_lane(node_index, w.lane, lanes_per_node),
+                            np.arange(i0, i0 + n)))
+        return ray.get_runtime_context().get_node_id(), w.lane, n
+
+
+@ray.remote(num_cpus=0)
+def writer_node_error(client: Any) -> str:
+    """Try ``client.writer()`` here; the error's type name (or "" if it worked)."""
+    try:
+        client.writer(timeout=1.0).close()
+    except Exception as e:  # noqa: BLE001 - the test checks which
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class RowWriter:
+    """Writes self-checking rows as fast as it can (``extend`` of ``chunk`` rows) on one lane of
+    its node until ``stop()``; reports its pid and rows written."""
+
+    def __init__(self, client: Any, node_index: int, lanes_per_node: int) -> None:
+        self.client, self.node_index, self.lanes = client, node_index, lanes_per_node
+        self.stopping = False
+        self.written = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, chunk: int = 64, max_rows: int = 1 << 62, lane: int | None = None) -> int:
+        with self.client.writer(lane=lane, timeout=10.0) as w:
+            rows = ShiftedBatches(ROWS, global_lane(self.node_index, w.lane, self.lanes), chunk)
+            i = int(self.client.buffer().committed(w.lane))
+            while not self.stopping and self.written < max_rows:
+                w.extend(rows.make(i, chunk))
+                i += chunk
+                self.written += chunk
+        return self.written
+
+    def stop(self) -> int:
+        self.stopping = True
+        return self.written
+
+
+def bad_rows(batch: Any, lanes_per_node: int) -> np.ndarray:
+    """Rows of a ``ClusterBatch`` that are torn, stale, or not the (node, lane, index) drawn."""
+    rows = {k: np.asarray(batch[k]) for k in batch}
+    g = rows["lane"]
+    bad = ROWS.bad_rows(rows, indices=batch.indices)
+    bad |= (g // lanes_per_node) != batch.nodes
+    bad |= (g % lanes_per_node) != batch.lanes
+    return bad
+
+
+def wait_for(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)

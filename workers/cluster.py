@@ -1,0 +1,191 @@
+"""``ReplayCluster``: node-local replay buffers on a Ray cluster, actors writing on their own node
+through shared memory, and one sampler for the learner over the union of all nodes' rows.
+
+Needs the ``ray`` extra (``pip install 'shmbuf[ray]'``) and a connected Ray (``ray.init``).
+Transitions never leave the node they were written on until a batch is drawn.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import warnings
+from typing import Any
+
+import ray
+
+from shmbuf import Spec, segment
+from shmbuf.checks import positive_int, timeout_seconds
+from shmbuf.errors import ClosedError
+
+from .cluster_actors import ClusterActorContext, ClusterActors
+from .cluster_host import NodeHost, remove_leaked_segments
+from .cluster_nodes import (
+    NAME_PREFIX,
+    ClusterClient,
+    HostRestartedWarning,
+    NodeLostError,
+    NodeLostWarning,
+    NoHostOnNodeError,
+    alive_node_ids,
+    current_node_id,
+    detach_all,
+    on_node,
+)
+from .cluster_sampler import ClusterBatch, ClusterSampler
+
+__all__ = ["ClusterActorContext", "ClusterActors", "ClusterBatch", "ClusterClient", "ClusterSampler", "HostRestartedWarning",
+           "NoHostOnNodeError", "NodeLostError", "NodeLostWarning", "ReplayCluster",
+           "alive_node_ids", "current_node_id", "on_node"]
+
+
+class ReplayCluster(ClusterClient):
+    """One host actor per chosen Ray node, each owning that node's ``ReplayBuffer``.
+
+    Args:
+        spec: the transition's fields (a ``Spec`` or a mapping ``Spec`` accepts).
+        capacity_per_node: rows per lane on each node.
+        lanes_per_node: lanes (concurrent writers) on each node.
+        nodes: Ray node ids to host a buffer on (default: every live node).
+        name: a tag in the segment names (default random); segment names are
+            ``shmbuf-ray-<tag>-<node id>``, since nodes may share a machine's /dev/shm.
+        host_restarts: how many times Ray restarts a dead host (it re-adopts the segment).
+        timeout: seconds to wait for the hosts to start.
+        buffer_kwargs: passed to ``ReplayBuffer.create`` (``next_obs``, ``episode_spec``, ...).
+
+    Concurrency: hosts own the segments; writers on a node attach by name and write lanes as
+    with one buffer. Sampling goes through ``sampler()``; see ``ClusterSampler``.
+
+    Example:
+        >>> ray.init()
+        >>> with ReplayCluster(spec, capacity_per_node=100_000, lanes_per_node=4) as cluster:
+        ...     actors = [Actor.options(**cluster.on_node(n)).remote(cluster)
+        ...               for n in cluster.node_ids]          # each calls cluster.writer()
+        ...     with cluster.sampler(256) as sampler:
+        ...         for batch in sampler: ...
+    """
+
+    def __init__(self, spec: Spec | dict[str, Any], capacity_per_node: int,
+                 lanes_per_node: int = 1, nodes: list[str] | None = None, *,
+                 name: str | None = None, host_restarts: int = 3, timeout: float = 60.0,
+                 **buffer_kwargs: Any) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("ReplayCluster needs a connected Ray: call ray.init() first")
+        spec = spec if isinstance(spec, Spec) else Spec(spec)
+        self.capacity_per_node = positive_int("capacity_per_node", capacity_per_node)
+        self.lanes_per_node = positive_int("lanes_per_node", lanes_per_node)
+        if isinstance(host_restarts, bool) or not isinstance(host_restarts, int) or host_restarts < 0:
+            raise ValueError(f"host_restarts must be an int >= 0, got {host_restarts!r}")
+        wait = timeout_seconds("timeout", timeout)
+        alive = alive_node_ids()
+        nodes = alive if nodes is None else list(nodes)
+        missing = [n for n in nodes if n not in alive]
+        if not nodes or missing or len(set(nodes)) != len(nodes):
+            raise ValueError(
+                f"nodes must list distinct live Ray node ids; got {nodes!r} (not alive: "
+                f"{missing}). Live nodes: {alive}")
+        self.tag = name if name is not None else secrets.token_hex(4)
+        names = {n: segment.normalize_name(f"{NAME_PREFIX}{self.tag}-{n[:16]}") for n in nodes}
+        super().__init__(names, spec)
+        self.hosts: dict[str, Any] = {}
+        self.host_restarts = host_restarts
+        self._samplers: list[Any] = []
+        self._groups: list[ClusterActors] = []
+        self._closed = False
+        host_cls = ray.remote(NodeHost)
+        try:
+            for node in nodes:
+                self.hosts[node] = host_cls.options(
+                    num_cpus=0, max_restarts=host_restarts, max_task_retries=0,
+                    **on_node(node)).remote(names[node], spec, self.capacity_per_node,
+                                            self.lanes_per_node, buffer_kwargs)
+            infos = ray.get([h.info.remote() for h in self.hosts.values()], timeout=wait)
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+        self.adopted = {i["node_id"]: i["adopted"] for i in infos}
+
+    # -- learner side ------------------------------------------------------------------------------
+    def sampler(self, batch_size: int, **kwargs: Any) -> Any:
+        """A ``ClusterSampler`` over every node's rows (see its arguments)."""
+        self._check_open()
+        sampler = ClusterSampler(self, batch_size, **kwargs)
+        self._samplers.append(sampler)
+        return sampler
+
+    def actors(self, actor_fn: Any, per_node: int = 1, **kwargs: Any) -> ClusterActors:
+        """``ClusterActors`` running ``actor_fn`` on every node (stopped by ``close()``)."""
+        self._check_open()
+        group = ClusterActors(self, actor_fn, per_node, **kwargs)
+        self._groups.append(group)
+        return group
+
+    def info(self, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Each live host's ``info()`` (node, pid, segment, adopted, size), by node id."""
+        refs = {n: h.info.remote() for n, h in self.hosts.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref, timeout=timeout)
+            except ray.exceptions.RayError:
+                continue
+        return out
+
+    def __len__(self) -> int:
+        return sum(i["size"] for i in self.info().values())
+
+    def drop_node(self, node_id: str) -> None:
+        """Forget a node (the sampler calls it when a node is lost): its host is killed."""
+        host = self.hosts.pop(node_id, None)
+        self.buffer_names.pop(node_id, None)
+        if host is not None:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    # -- teardown --------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the ReplayCluster is closed")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close samplers, then every host (each unlinks its node's buffer), then remove what
+        hosts of this cluster leaked on this machine (nodes that died with their segments).
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for group in self._groups:
+            group.stop()
+        for sampler in self._samplers:
+            sampler.close()
+        refs = {n: h.close.remote(timeout=min(timeout, 5.0)) for n, h in self.hosts.items()}
+        deadline = time.monotonic() + timeout
+        for node, ref in refs.items():
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - a dead host: its segment is cleaned below
+                warnings.warn(f"host on node {node[:12]} did not close: {type(e).__name__}",
+                              RuntimeWarning, stacklevel=2)
+        for host in self.hosts.values():
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        detach_all(f"{NAME_PREFIX}{self.tag}-")
+        self.remove_leaked()
+
+    def remove_leaked(self) -> list[str]:
+        """Unlink what dead hosts of this cluster left on this machine (a node removed while its
+        host held its buffer and pools). Only this machine's /dev/shm is visible here."""
+        return remove_leaked_segments(f"{NAME_PREFIX}{self.tag}-")
+
+    def __enter__(self) -> ReplayCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ReplayCluster {self.tag} nodes={[n[:8] for n in self.node_ids]}>"

@@ -1,0 +1,132 @@
+"""``shmbuf demo --ray-nodes N``: the actor-learner demo across a local multi-node Ray cluster
+(``ray.cluster_utils.Cluster``): actors on every node write their node's buffer, the learner
+samples the union through ``ReplayCluster.sampler``. Same live line as the demo, plus one
+column per node (its inserts/s and its share of the rows sampled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+from shmbuf.segment import fmt_bytes
+from shmbuf.shmdir import shm_free_bytes
+
+NODE_CPUS = 1
+OBJECT_STORE_BYTES = 256 << 20
+
+
+def start_local_cluster(n_nodes: int) -> Any:
+    """A Ray cluster of ``n_nodes`` nodes on this machine, connected (the learner is on the
+    head node)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    args: dict[str, Any] = {"num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE_BYTES}
+    cluster = Cluster(initialize_head=True, head_node_args=dict(args))
+    try:
+        for _ in range(n_nodes - 1):
+            cluster.add_node(**args)
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def node_columns(stats: dict[str, Any], last: dict[str, int], dt: float) -> str:
+    """``node a1b2c3: 12,345/s 33%`` per node: inserts/s since ``last`` and share of rows."""
+    nodes = stats["nodes"]
+    sampled = max(1, sum(n["rows_sampled"] for n in nodes))
+    cols = []
+    for n in nodes:
+        rate = (n["committed"] - last.get(n["node_id"], n["committed"])) / dt
+        last[n["node_id"]] = n["committed"]
+        tag = "here" if n["local"] else n["node_id"][:6]
+        cols.append(f"{tag} {rate:7,.0f}/s {100 * n['rows_sampled'] / sampled:3.0f}%"
+                    + (" lost" if n["dropped"] else ""))
+    return " | ".join(cols)
+
+
+def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None],
+            train_step: Callable[[Any, float], float], capacity: int) -> int:
+    """The demo on ``args.ray_nodes`` local Ray nodes (``args`` as ``demo.add_arguments``;
+    ``capacity``: rows per lane the demo would give one machine, shared out over the nodes)."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("--ray-nodes needs Ray: pip install 'shmbuf[ray]'") from None
+    from .cluster import ReplayCluster
+
+    n = args.ray_nodes
+    if n < 1:
+        raise SystemExit(f"--ray-nodes must be >= 1, got {n}")
+    lanes = args.actors
+    if args.capacity is None:  # the nodes share this machine's /dev/shm
+        capacity = max(4 * args.batch_size, min(
+            capacity, (shm_free_bytes() // 4) // (spec.row_nbytes * lanes * n)))
+    batch_bytes = spec.row_nbytes * args.batch_size
+    min_size = min(args.min_size, capacity * lanes * n // 2)
+    spi = None if args.samples_per_insert is None else (
+        args.samples_per_insert, max(4 * args.batch_size, args.samples_per_insert * 1000))
+    print(f"shmbuf demo on Ray: {n} local nodes x {args.actors} actors, {args.workers} sampler "
+          f"workers per node, {args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
+          f"({fmt_bytes(batch_bytes)}), {lanes} lanes x {capacity} per node "
+          f"({fmt_bytes(spec.row_nbytes * capacity * lanes * n)} of /dev/shm in all), "
+          f"{args.seconds:g} s", flush=True)
+    t0 = time.monotonic()
+    local = start_local_cluster(n)
+    tty = sys.stdout.isatty()
+    batches = 0
+    try:
+        with ReplayCluster(spec, capacity, lanes) as cluster:
+            group = cluster.actors(actor_fn, per_node=args.actors, seed=args.seed)
+            with cluster.sampler(args.batch_size, workers_per_node=args.workers,
+                                 min_size=min_size, samples_per_insert=spi, seed=args.seed,
+                                 timeout=120.0) as sampler:
+                print(f"cluster up in {time.monotonic() - t0:.1f} s: nodes "
+                      f"{', '.join(i[:6] for i in cluster.node_ids)} (learner on "
+                      f"{sampler.node_ids[0][:6]})", flush=True)
+                start = last_t = time.monotonic()
+                last_batches, last_inserts = 0, 0
+                per_node: dict[str, int] = {}
+                while time.monotonic() - start < args.seconds:
+                    batch = sampler.next()
+                    train_step(batch, args.train_ms)
+                    batches += 1
+                    now = time.monotonic()
+                    if now - last_t >= (0.5 if tty else 2.0):
+                        group.poll()
+                        st = sampler.stats()
+                        inserts = sum(x["committed"] for x in st["nodes"])
+                        dt = now - last_t
+                        bps = (batches - last_batches) / dt
+                        line = (f"inserts/s {(inserts - last_inserts) / dt:9,.0f} | batches/s "
+                                f"{bps:6,.0f} | {bps * batch_bytes / 1e9:5.2f} GB/s | wait "
+                                f"{1e3 * st['learner_wait_s'] / max(batches, 1):5.2f} ms/batch"
+                                f" | {node_columns(st, per_node, dt)}")
+                        print(("\r" + line) if tty else line, end="" if tty else "\n",
+                              flush=True)
+                        last_t, last_batches, last_inserts = now, batches, inserts
+                elapsed = time.monotonic() - start
+                group.poll()
+                st = sampler.stats()
+        if tty:
+            print()
+        inserts = sum(x["committed"] for x in st["nodes"])
+        remote = sum(x["bytes_received"] for x in st["nodes"])
+        print(f"summary: {batches:,} batches in {elapsed:.1f} s ({batches / elapsed:,.0f}/s, "
+              f"{batches * batch_bytes / elapsed / 1e9:.2f} GB/s to the learner, "
+              f"{remote / elapsed / 1e9:.2f} GB/s of it through Ray); {inserts:,} transitions "
+              f"inserted on {n} nodes ({inserts / elapsed:,.0f}/s); learner waited "
+              f"{1e3 * st['learner_wait_s'] / max(batches, 1):.2f} ms per batch; actor "
+              f"restarts {group.restarts}; rows per node "
+              f"{', '.join(str(x['rows_sampled']) for x in st['nodes'])}")
+    finally:
+        ray.shutdown()
+        local.shutdown()
+    return 0
