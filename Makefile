@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo stress bench clean
+.PHONY: install install-ray test test-ray lint demo demo-ray stress bench bench-ray clean
 
 install: $(STAMP)
 
@@ -15,6 +15,19 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The Ray cluster (workers.cluster): the ray extra, its tests, its demo and its benchmark.
+install-ray: install
+	$(BIN)/python -m pip install -q -e '.[ray]'
+
+test-ray: install-ray
+	$(BIN)/python -m pytest -q -m ray
+
+demo-ray: install-ray
+	$(BIN)/shmbuf demo --ray-nodes 3
+
+bench-ray: install-ray
+	$(BIN)/python scripts/bench_cluster.py
 
 lint: install
 	$(BIN)/ruff check .
