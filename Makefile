@@ -31,6 +31,7 @@ bench-ray: install-ray
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy shmbuf workers
 
 demo: install
 	$(BIN)/shmbuf demo

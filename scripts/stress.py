@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from shmbuf import ReplayBuffer, Spec
-from shmbuf.scan import scan
 from shmbuf.errors import Timeout
+from shmbuf.scan import scan
 from workers import ActorContext, ActorGroup, SamplerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests._helpers

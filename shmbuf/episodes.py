@@ -24,7 +24,6 @@ from .errors import SpecMismatchError, StaleIndexError
 from .rowcheck import RowChecker
 from .spec import Spec
 
-
 MAX_EPISODE = (1 << 62) - 2  # the largest id whose stamp 2e+2 fits the int64 stamp word
 
 

@@ -114,6 +114,10 @@ class PriorityTable:
         """The sum of every stored priority (0: nothing can be drawn)."""
         return float(sumtree.roots(self.sums).sum())
 
+    def smallest(self) -> float:
+        """The smallest stored positive value over all lanes (inf while none is stored)."""
+        return float(sumtree.roots(self.mins).min())
+
     def leaf_values(self, lanes: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """The stored values of the slots of rows ``(lanes, indices)`` (whoever holds them)."""
         return self.sums[lanes, indices % self.capacity]

@@ -17,6 +17,7 @@ bounds every length before reading and validates every field, so a malformed fil
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -26,7 +27,6 @@ import stat
 import struct
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

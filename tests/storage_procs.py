@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import shmbuf
+
 # Process helpers live in tests/_helpers/processes.py; the tests call them as ``procs.X``.
 from tests._helpers.processes import collect as collect
 from tests._helpers.processes import reap as reap

@@ -14,8 +14,7 @@ import pytest
 
 import shmbuf
 from shmbuf import scan as segment_scan
-from shmbuf import shmdir
-from shmbuf import segment
+from shmbuf import segment, shmdir
 from shmbuf.storage import BufferStorage
 from tests._helpers.processes import wait_dead
 from tests._helpers.rows import RowScheme

@@ -62,12 +62,19 @@ def test_prioritized_draws_follow_priorities_over_the_union(nodes):
                 sampler.next()
             cells = np.zeros((3, 3), np.int64)
             p_min = priority_of(np.array([0]), np.array([0]))[0]
+            stale = 0
             for _ in range(300):
                 batch = sampler.next()
                 assert not cp.bad_rows(batch, 1).any()
                 p = priority_of(batch.nodes, batch.indices)
-                np.testing.assert_allclose(batch.weights, (p / p_min) ** -beta, rtol=1e-5)
-                np.add.at(cells, (batch.nodes, batch.indices % 3), 1)
+                fresh = np.isclose(batch.weights, (p / p_min) ** -beta, rtol=1e-5)
+                # A node pool's prefetched slots drawn before the update reached it (a rarely
+                # drawn node can still hold some after the drain above) carry the initial
+                # priority, which is also the smallest one then: weight exactly 1. Nothing else.
+                np.testing.assert_array_equal(batch.weights[~fresh], 1.0)
+                stale += int((~fresh).sum())
+                np.add.at(cells, (batch.nodes[fresh], batch.indices[fresh] % 3), 1)
+            assert stale <= 64 * 16, stale  # a few prefetched slots' worth, not a trend
             assert sampler.stats()["priority_updates_sent"] == idx.size
     mass = np.array([[priority_of(np.array(k), np.arange(n))[np.arange(n) % 3 == c].sum()
                       for c in range(3)] for k, n in enumerate(rows_per_node)])

@@ -549,8 +549,9 @@ def test_measured_samples_per_insert_stays_within_tolerance(start_method):
 
     (The numbers are read at rest because ``stats()`` reads inserts and samples one after the
     other: under load, thousands of rows can pass between the two reads.)"""
-    from workers import ActorGroup
     import functools
+
+    from workers import ActorGroup
 
     B, ratio, tol, W = 16, 2.0, 128, 2
     with procs.new_buffer(capacity=4096, lanes=2, rows=64) as buf:

@@ -22,7 +22,6 @@ from shmbuf.errors import ActorError, ClosedError
 from .actors import ActorContext
 from .cluster_nodes import NodeLostError, NodeLostWarning, node_alive, on_node
 
-
 PID_ASK_S = 2.0  # a restarting actor's pid is asked for again after this long
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from shmbuf import ReplayBuffer
+from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
 from shmbuf.scan import scan
 from shmbuf.shmdir import unlink
-from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
 from shmbuf.storage import BufferStorage
 
 from .cluster_sources import NodePool

@@ -16,13 +16,12 @@ import numpy as np
 import ray
 
 from shmbuf import ReplayBuffer
-from shmbuf.scan import scan
 from shmbuf.errors import Timeout
 from shmbuf.priority import PriorityTable
+from shmbuf.scan import scan
 
 from .cluster_nodes import HostRestartedWarning, call_actor, current_node_id, node_alive
 from .pool import SamplerPool
-
 
 _NO_ROWS = np.empty(0, np.int64)
 _NO_PRIORITIES = np.empty(0, np.float64)
@@ -73,8 +72,8 @@ class NodePool:
                "weight": float(size), "vmin": np.inf}
         if self.table is not None:
             self.pool.update_priorities(_NO_ROWS, _NO_PRIORITIES, lanes=_NO_ROWS)  # the sync
-            out["weight"] = float(self.table.sums[:, 1].sum())
-            out["vmin"] = float(self.table.mins[:, 1].min())
+            out["weight"] = self.table.total()
+            out["vmin"] = self.table.smallest()
         return out
 
     def next_reply(self, wait: float) -> dict[str, Any]:
@@ -90,9 +89,7 @@ class NodePool:
         reply.update(rows=batch.batch_size, fields={k: batch[k] for k in batch},
                      indices=batch.indices, lanes=batch.lanes, values=None)
         if self.table is not None:
-            t = self.table
-            leaves = t.sums.shape[1] // 2 + batch.indices % t.capacity
-            reply["values"] = t.sums[batch.lanes, leaves]
+            reply["values"] = self.table.leaf_values(batch.lanes, batch.indices)
         return reply
 
     def update_priorities(self, lanes: Any, indices: Any, priorities: Any) -> int:

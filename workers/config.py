@@ -14,8 +14,8 @@ from typing import Any, Callable
 import cloudpickle
 import numpy as np
 
-from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.checks import positive_int, timeout_seconds
+from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 

@@ -19,9 +19,9 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
-from shmbuf.segment import Lease
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
+from shmbuf.segment import Lease
 
 from .batch import Batch
 from .config import PoolConfig

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from shmbuf.errors import ClosedError
 from shmbuf import layout as L
+from shmbuf.errors import ClosedError
 from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
 

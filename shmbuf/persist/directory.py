@@ -42,8 +42,17 @@ from ..segment import fmt_bytes
 from ..storage import BufferStorage
 from . import _files, snapshot
 from .snapshot import RECORD_COLUMNS
-from .validate import (WORD_DTYPE, bad, check_contents, check_format, check_header, check_int,
-                       check_size, entry, show)
+from .validate import (
+    WORD_DTYPE,
+    bad,
+    check_contents,
+    check_format,
+    check_header,
+    check_int,
+    check_size,
+    entry,
+    show,
+)
 
 FORMAT = "shmbuf-checkpoint"
 VERSION = 1

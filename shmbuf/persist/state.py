@@ -25,8 +25,17 @@ from ..errors import SpecMismatchError
 from ..storage import BufferStorage
 from . import snapshot
 from .snapshot import ArrayRows
-from .validate import (WORD_DTYPE, Header, as_array, bad, check_contents, check_format,
-                       check_header, entry, show)
+from .validate import (
+    WORD_DTYPE,
+    Header,
+    as_array,
+    bad,
+    check_contents,
+    check_format,
+    check_header,
+    entry,
+    show,
+)
 
 FORMAT = "shmbuf-state"
 VERSION = 1
