@@ -38,16 +38,19 @@ def start_local_cluster(n_nodes: int) -> Any:
     return cluster
 
 
-def node_columns(stats: dict[str, Any], last: dict[str, int], dt: float) -> str:
-    """``node a1b2c3: 12,345/s 33%`` per node: inserts/s since ``last`` and share of rows."""
+def node_columns(stats: dict[str, Any], last: dict[str, tuple[int, int]], dt: float) -> str:
+    """``a1b2c3 12,345/s 33%`` per node (``here`` for the learner's): inserts/s and the share of
+    the rows sampled since the ``last`` line."""
     nodes = stats["nodes"]
-    sampled = max(1, sum(n["rows_sampled"] for n in nodes))
+    seen = {n["node_id"]: last.get(n["node_id"], (n["committed"], 0)) for n in nodes}
+    sampled = max(1, sum(n["rows_sampled"] - seen[n["node_id"]][1] for n in nodes))
     cols = []
     for n in nodes:
-        rate = (n["committed"] - last.get(n["node_id"], n["committed"])) / dt
-        last[n["node_id"]] = n["committed"]
+        committed0, sampled0 = seen[n["node_id"]]
+        last[n["node_id"]] = (n["committed"], n["rows_sampled"])
         tag = "here" if n["local"] else n["node_id"][:6]
-        cols.append(f"{tag} {rate:7,.0f}/s {100 * n['rows_sampled'] / sampled:3.0f}%"
+        cols.append(f"{tag} {(n['committed'] - committed0) / dt:7,.0f}/s "
+                    f"{100 * (n['rows_sampled'] - sampled0) / sampled:3.0f}%"
                     + (" lost" if n["dropped"] else ""))
     return " | ".join(cols)
 
@@ -60,7 +63,7 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
         import ray
     except ImportError:
         raise SystemExit("--ray-nodes needs Ray: pip install 'shmbuf[ray]'") from None
-    from .cluster import ReplayCluster
+    from .cluster import ReplayCluster, current_node_id
 
     n = args.ray_nodes
     if n < 1:
@@ -90,10 +93,10 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
                                  timeout=120.0) as sampler:
                 print(f"cluster up in {time.monotonic() - t0:.1f} s: nodes "
                       f"{', '.join(i[:6] for i in cluster.node_ids)} (learner on "
-                      f"{sampler.node_ids[0][:6]})", flush=True)
+                      f"{current_node_id()[:6]}: 'here')", flush=True)
                 start = last_t = time.monotonic()
-                last_batches, last_inserts = 0, 0
-                per_node: dict[str, int] = {}
+                last_batches, last_inserts, last_wait = 0, 0, 0.0
+                per_node: dict[str, tuple[int, int]] = {}
                 while time.monotonic() - start < args.seconds:
                     batch = sampler.next()
                     train_step(batch, args.train_ms)
@@ -105,10 +108,11 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
                         inserts = sum(x["committed"] for x in st["nodes"])
                         dt = now - last_t
                         bps = (batches - last_batches) / dt
+                        wait = (st["learner_wait_s"] - last_wait) / max(batches - last_batches, 1)
                         line = (f"inserts/s {(inserts - last_inserts) / dt:9,.0f} | batches/s "
                                 f"{bps:6,.0f} | {bps * batch_bytes / 1e9:5.2f} GB/s | wait "
-                                f"{1e3 * st['learner_wait_s'] / max(batches, 1):5.2f} ms/batch"
-                                f" | {node_columns(st, per_node, dt)}")
+                                f"{1e3 * wait:6.2f} ms/batch | {node_columns(st, per_node, dt)}")
+                        last_wait = st["learner_wait_s"]
                         print(("\r" + line) if tty else line, end="" if tty else "\n",
                               flush=True)
                         last_t, last_batches, last_inserts = now, batches, inserts
