@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,10 @@ def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
     """Start ``n_nodes`` Ray nodes on this machine and connect; on exit shut all of it down and
     check that no process of it is left and no cluster segment is left in /dev/shm."""
     mine_before = set(descendants(os.getpid()))
+    # ray.init puts its own SIGTERM handler in the driver and leaves it there: later tests fork
+    # children that must inherit shmbuf's (tests/test_hardening_segment.py), so restore them.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                         signal.SIGHUP)}
     cluster = Cluster(initialize_head=True, head_node_args=dict(NODE_ARGS))
     try:
         for _ in range(n_nodes - 1):
@@ -43,6 +48,8 @@ def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         stray = [p for p in descendants(os.getpid())
                  if p not in mine_before and not _multiprocessing_server(p)]
         left = wait_dead(stray, timeout=30.0)
