@@ -34,9 +34,10 @@ def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
     """Start ``n_nodes`` Ray nodes on this machine and connect; on exit shut all of it down and
     check that no process of it is left and no cluster segment is left in /dev/shm."""
     mine_before = set(descendants(os.getpid()))
-    # ray.init installs its own SIGTERM handler in this process for good, over shmbuf's (which
-    # unlinks owned segments): put ours back afterwards, or later tests' forked owners inherit it.
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # ray.init puts its own SIGTERM handler in the driver and leaves it there: later tests fork
+    # children that must inherit shmbuf's (tests/test_hardening_segment.py), so restore them.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                         signal.SIGHUP)}
     cluster = Cluster(initialize_head=True, head_node_args=dict(NODE_ARGS))
     try:
         for _ in range(n_nodes - 1):
