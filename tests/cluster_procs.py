@@ -30,6 +30,18 @@ NODE_ARGS = {"num_cpus": 1, "object_store_memory": 128 << 20}
 
 
 @contextlib.contextmanager
+def learner_first_nodes(n_nodes: int) -> Iterator[list[str]]:
+    """``local_ray_cluster(n_nodes)``, yielding its live node ids, the learner's (this
+    process's) node first."""
+    from workers.cluster import current_node_id
+
+    with local_ray_cluster(n_nodes):
+        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        here = current_node_id()
+        yield [here] + [n for n in ids if n != here]
+
+
+@contextlib.contextmanager
 def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
     """Start ``n_nodes`` Ray nodes on this machine and connect; on exit shut all of it down and
     check that no process of it is left and no cluster segment is left in /dev/shm."""

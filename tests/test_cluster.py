@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 import shmbuf  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
-from workers.cluster import NoHostOnNodeError, ReplayCluster, current_node_id, on_node  # noqa: E402
+from workers.cluster import NoHostOnNodeError, ReplayCluster, on_node  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -24,10 +24,8 @@ LANES = 2
 
 @pytest.fixture(scope="module")
 def nodes():
-    with cp.local_ray_cluster(3):
-        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        here = current_node_id()
-        yield [here] + [n for n in ids if n != here]  # the learner's node first
+    with cp.learner_first_nodes(3) as ids:  # the learner's node first
+        yield ids
 
 
 @pytest.fixture(scope="module")
