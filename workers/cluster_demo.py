@@ -56,9 +56,11 @@ def node_columns(stats: dict[str, Any], last: dict[str, tuple[int, int]], dt: fl
 
 
 def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None],
-            train_step: Callable[[Any, float], float], capacity: int) -> int:
+            train_step: Callable[[Any, float], float], capacity: int,
+            limits: Callable[[argparse.Namespace, int], tuple[int, Any]]) -> int:
     """The demo on ``args.ray_nodes`` local Ray nodes (``args`` as ``demo.add_arguments``;
-    ``capacity``: rows per lane the demo would give one machine, shared out over the nodes)."""
+    ``capacity``: rows per lane the demo would give one machine, shared out over the nodes;
+    ``limits``: ``demo.demo_limits``)."""
     try:
         import ray
     except ImportError:
@@ -73,9 +75,7 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
         capacity = max(4 * args.batch_size, min(
             capacity, (shm_free_bytes() // 4) // (spec.row_nbytes * lanes * n)))
     batch_bytes = spec.row_nbytes * args.batch_size
-    min_size = min(args.min_size, capacity * lanes * n // 2)
-    spi = None if args.samples_per_insert is None else (
-        args.samples_per_insert, max(4 * args.batch_size, args.samples_per_insert * 1000))
+    min_size, spi = limits(args, capacity * lanes * n)
     print(f"shmbuf demo on Ray: {n} local nodes x {args.actors} actors, {args.workers} sampler "
           f"workers per node, {args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
           f"({fmt_bytes(batch_bytes)}), {lanes} lanes x {capacity} per node "

@@ -30,7 +30,7 @@ from shmbuf.limiter import RateLimit
 from .cluster_batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
 from .cluster_nodes import NodeLostError, NodeLostWarning
 from .cluster_sources import Chunk, NodeLost, open_sources
-from .config import _beta_schedule
+from .config import beta_schedule
 
 CALL_BYTES = 16 << 20  # default rows per remote call: about this many bytes,
 CALL_BATCHES = 64  # and at most this many batches' rows
@@ -86,7 +86,7 @@ class ClusterSampler:
                            timeout=self.timeout)
         if sampler == "prioritized":  # weights are the learner's: the pools' beta is unused
             pool_kwargs.update(alpha=alpha, eps=eps)
-        self._beta = _beta_schedule(beta)
+        self._beta = beta_schedule(beta)
         self.strict = bool(strict)
         self._cluster = cluster
         self._rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])

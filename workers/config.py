@@ -104,7 +104,7 @@ class PoolConfig:
         if times is not None and (isinstance(times, bool) or not isinstance(times, int)
                                   or times < 1):
             raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
-        beta_schedule = _beta_schedule(beta)
+        beta_at = beta_schedule(beta)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         _check_picklable(transform)  # serialised here: an unpicklable one fails at the call site
@@ -116,7 +116,7 @@ class PoolConfig:
             output=output, ordered=bool(ordered) or sampler in ("queue", "epoch"),
             pin_memory=pin_memory,
             max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
-            beta=beta_schedule, eps=eps, max_times_sampled=times, device=device,
+            beta=beta_at, eps=eps, max_times_sampled=times, device=device,
             device_prefetch=device_prefetch, drop_last=bool(drop_last),
         )
 
@@ -178,7 +178,7 @@ def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> Rate
     return RateLimit(min_size, ratio, tolerance)
 
 
-def _beta_schedule(beta: Any) -> Callable[[int], float]:
+def beta_schedule(beta: Any) -> Callable[[int], float]:
     """beta as a function of batches delivered: a number, (start, end, n) linear, a callable."""
     if callable(beta):
         return beta

@@ -92,6 +92,14 @@ def train_step(batch: Any, busy_ms: float) -> float:
     return value
 
 
+def demo_limits(args: argparse.Namespace, rows: int) -> tuple[int, tuple[float, float] | None]:
+    """``(min_size, samples_per_insert)`` for a demo buffer of ``rows`` rows in all: min_size at
+    most half of it, and the rate limit's tolerance at least four batches."""
+    spi = None if args.samples_per_insert is None else (
+        args.samples_per_insert, max(4 * args.batch_size, args.samples_per_insert * 1000))
+    return min(args.min_size, rows // 2), spi
+
+
 @plots_throughput  # --plot PATH
 def run(args: argparse.Namespace) -> int:
     spec = _spec_for(args.env)
@@ -100,11 +108,9 @@ def run(args: argparse.Namespace) -> int:
         from .cluster_demo import run_ray
 
         return run_ray(args, spec, functools.partial(env_actor, env_id=args.env), train_step,
-                       capacity)
+                       capacity, demo_limits)
     batch_bytes = spec.row_nbytes * args.batch_size
-    min_size = min(args.min_size, capacity * args.actors // 2)
-    spi = None if args.samples_per_insert is None else (
-        args.samples_per_insert, max(4 * args.batch_size, args.samples_per_insert * 1000))
+    min_size, spi = demo_limits(args, capacity * args.actors)
     print(f"shmbuf demo: {args.actors} actors x {args.workers} sampler workers, "
           f"{args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
           f"({fmt_bytes(batch_bytes)}), buffer {args.actors} lanes x {capacity} "

@@ -49,8 +49,8 @@ class ThroughputRecorder:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # it wakes from its wait on the event at once
+            self._thread.join(timeout=max(5.0, 4 * self.every))
 
     def _counters(self, buffers: dict[str, ReplayBuffer]) -> tuple[int, int, int]:
         """(rows committed, batches delivered, learner wait ns) of this process's segments."""
