@@ -47,14 +47,16 @@ class InProcessDelivery(Delivery):
         deadline = time.monotonic() + timeout
 
         def wait(backoff: Backoff) -> None:
-            # In-process the learner is the table's writer: rows the writers added meanwhile
-            # (those a prioritized draw found overwritten) enter now, else it would wait in vain.
-            self.selection.enter_new_rows()
             now = time.monotonic()
             if now >= deadline:
                 raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
             backoff.sleep(deadline - now)
             self.check_open()  # close() from another thread ends the wait
+            # In-process the learner is the table's writer: rows the writers added meanwhile
+            # (those a prioritized draw found overwritten) enter now, else it would wait in vain.
+            # Last, right before the next draw: entered before the sleep, they would be lapped
+            # again by writers that fill a lane within one backoff.
+            self.selection.enter_new_rows()
 
         self._wait_local_copies(deadline, timeout)
         if self.selection.learner_selects:
