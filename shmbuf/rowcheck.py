@@ -94,7 +94,7 @@ def _show(value: Any) -> str:
     return repr(item)
 
 
-def _fast_scalars(field: Field) -> tuple[frozenset[type], int, int, float, float]:
+def fast_scalars(field: Field) -> tuple[frozenset[type], int, int, float, float]:
     """What stores into scalar ``field`` with no further check: the scalar types that cannot be
     out of kind or range (the field's own NumPy scalar type, Python float/bool where safe), and
     the ranges [lo, hi] in which a Python int, and a Python float, are safe (empty: lo > hi).
@@ -145,7 +145,7 @@ class RowChecker:
         self._row_op, self._batch_op = row_op, batch_op  # named in error messages
         self.names = tuple(spec)
         self._name_set = frozenset(self.names)
-        self._fields = tuple(spec.values())
+        self.fields = self._fields = tuple(spec.values())
         # Per field: source dtype -> (decision, bound) of ``_cast_rule``, filled on first use.
         self._cast_rules: list[dict[np.dtype, tuple[int, Any]]] = [
             {f.dtype: (_SAFE, None)} for f in self._fields
@@ -157,7 +157,7 @@ class RowChecker:
         self._n = len(self._fields)
         # (name, shape, dtype, Python scalar types that need no check, index)
         self._row_plan = tuple(
-            (f.name, f.shape, f.dtype, *_fast_scalars(f), k) for k, f in enumerate(self._fields)
+            (f.name, f.shape, f.dtype, *fast_scalars(f), k) for k, f in enumerate(self._fields)
         )
         self._batch_plan = tuple(
             (f.name, f.shape, f.dtype, len(f.shape) + 1, k) for k, f in enumerate(self._fields)
@@ -255,7 +255,7 @@ class RowChecker:
 
         Fast path per field: an ndarray of exactly the field's shape and dtype, C-contiguous; a
         scalar of the field's own NumPy type, or a Python float/bool/int that fits the field.
-        Everything else takes ``_check_value``.
+        Everything else takes ``_check_value``. (``addcompile`` inlines the same fast path.)
         """
         if len(values) != self._n:
             raise self._key_error(self._row_op, values)

@@ -8,12 +8,14 @@ one NumPy store over all lanes, in the same order a single-lane ``Writer`` uses.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import layout as L
+from .addcompile import compiled_add
 from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
@@ -45,9 +47,7 @@ class VectorWriter(LaneWriter):
         self.lanes = self._lane_ids
         self.num_envs = self._width
         self._base = self.lanes * self._capacity
-        self._next = np.array([w._next for w in writers], np.int64)
-        self.episode = np.array([w.episode for w in writers], np.int64)
-        self._step = np.array([w._step for w in writers], np.int64)
+        self._take_lane_state(writers)
         self._check_batch = storage.input_checker().check_batch
         self._rows = 0  # rows written (all lanes): what room is measured in
         self._episode_checker = (
@@ -55,6 +55,12 @@ class VectorWriter(LaneWriter):
             if storage.episode_spec is not None
             else None
         )
+
+    def _take_lane_state(self, writers: list[Writer]) -> None:
+        """Each lane's next index, episode and step, from the writer that took it over."""
+        self._next = np.array([w._next for w in writers], np.int64)
+        self.episode = np.array([w.episode for w in writers], np.int64)
+        self._step = np.array([w._step for w in writers], np.int64)
 
     @classmethod
     def open(cls, storage: BufferStorage, num_envs: int | None, lanes: list[int] | None,
@@ -83,8 +89,10 @@ class VectorWriter(LaneWriter):
         try:
             for k in wanted:
                 writers.append(Writer.open(storage, k, timeout, insert_timeout))
-            return cls(storage, sorted(writers, key=lambda w: w.lane) if lanes is None
-                       else writers)
+            if lanes is None:
+                writers.sort(key=lambda w: w.lane)
+            return (one_env_class(storage) if len(writers) == 1 and cls is VectorWriter
+                    else cls)(storage, writers)
         except BaseException:  # every lane taken so far is released before this propagates
             for w in writers:
                 w.close()
@@ -181,3 +189,63 @@ class VectorWriter(LaneWriter):
 
     def __repr__(self) -> str:
         return f"<VectorWriter lanes={self.lanes.tolist()}{' closed' if self.closed else ''}>"
+
+
+class OneEnvVectorWriter(VectorWriter):
+    """A ``VectorWriter`` of one env: its lane's ``Writer`` keeps the lane's state, and ``add``
+    is compiled (``addcompile``) to store straight into that lane, as fast as ``Writer.add``.
+
+    Concurrency: as ``VectorWriter``; the lane's ``Writer`` holds the lease and is closed with it.
+    """
+
+    def _take_lane_state(self, writers: list[Writer]) -> None:
+        self._lane = writers[0]  # keeps it: see the properties below
+
+    @property
+    def _next(self) -> np.ndarray:  # type: ignore[override]
+        return np.array([self._lane._next], np.int64)
+
+    @property
+    def episode(self) -> np.ndarray:  # type: ignore[override]
+        return np.array([self._lane.episode], np.int64)
+
+    @property
+    def _step(self) -> np.ndarray:  # type: ignore[override]
+        return np.array([self._lane._step], np.int64)
+
+    def _make_lane_room(self, at: int) -> None:
+        """Room for one more row at index ``at`` of the lane, waiting as this writer would."""
+        lane = self._lane
+        lane.timeout, lane.stop_when = self.timeout, self.stop_when
+        lane._make_room(1, at)
+
+    def end_episode(self, env_mask: Any, truncated: Any = False, **episode_data: Any) -> np.ndarray:
+        if self._closed_reason is not None:
+            self._raise_closed()
+        mask = self._per_env("env_mask", np.asarray(env_mask, bool), (1,))
+        trunc = self._per_env("truncated", np.asarray(truncated, bool), (1,))
+        values = self._episode_values(episode_data)
+        if not mask[0] or self._lane._step == 0:
+            return np.array([-1], np.int64)
+        spec = self._storage.episode_spec
+        data = {} if values is None or spec is None else {
+            name: v[0] for name, v in zip(spec, values)}
+        return np.array([self._lane.end_episode(truncated=bool(trunc[0]), **data)], np.int64)
+
+    end_episode.__doc__ = VectorWriter.end_episode.__doc__
+
+
+_one_env_classes: weakref.WeakKeyDictionary[RowChecker, type[VectorWriter]] = (
+    weakref.WeakKeyDictionary())
+
+
+def one_env_class(storage: BufferStorage) -> type[VectorWriter]:
+    """The class of a one-env vector writer of ``storage``: ``OneEnvVectorWriter`` with ``add``
+    compiled for its spec, or ``VectorWriter`` where the spec's names cannot be compiled."""
+    checker = storage.input_checker()
+    if checker not in _one_env_classes:
+        add = compiled_add(Writer.add, checker, storage.derived_next_obs, one_env=True)
+        _one_env_classes[checker] = VectorWriter if add is None else type(
+            "VectorWriter", (OneEnvVectorWriter,),
+            {"add": add, "__module__": __name__, "__qualname__": "VectorWriter"})
+    return _one_env_classes[checker]

@@ -16,9 +16,11 @@ import numpy as np
 
 from . import layout as L
 from . import slots
+from .addcompile import compiled_add, flat_row_store, row_columns
 from .checks import ring_segments, timeout_seconds
-from .errors import ClosedError
+from .errors import ClosedError, SpecMismatchError
 from .lease import Lease
+from .rowcheck import _MISSING, RowChecker
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
@@ -75,6 +77,10 @@ class LaneWriter:
         self._episode_v = words[:, L.LANE_EPISODE, 0]
         self._episode_start_v = words[:, L.LANE_EPISODE_START, 0]
         self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
+        checker = self._checker = storage.input_checker()
+        self._field_names = checker.names
+        self._flat_dtypes = [(k, f.dtype) for k, f in enumerate(checker.fields) if flat_row_store(f)]
+        self._check_row, self._check_batch = checker.check_row, checker.check_batch
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
@@ -116,6 +122,28 @@ class LaneWriter:
         room, self._lim_gen = self._limiter.wait_for_insert(
             n // self._width or 1, wait, self._check_open, self._who, self._lane_ids)
         self._room_until = at + room * self._width
+
+    # -- add's slow path -------------------------------------------------------------------------
+    def _add_checked(self, extra: dict[str, Any], given: tuple[Any, ...],
+                     one_env: bool = False) -> list[Any]:
+        """The compiled ``add``'s slow path: the closed check, then the full checker on what
+        was given (``_MISSING`` for a field not given); returns the values to store."""
+        if self._closed_reason is not None:
+            self._raise_closed()
+        fields = {name: v for name, v in zip(self._field_names, given) if v is not _MISSING}
+        fields.update(extra)
+        if not one_env:  # rows stored through a memoryview must have the field's own dtype
+            values = self._check_row(fields)
+            for k, dtype in self._flat_dtypes:
+                values[k] = np.ascontiguousarray(values[k], dtype)
+            return values
+        n, arrays = self._check_batch(fields)
+        if n != 1:
+            raise SpecMismatchError(
+                f"add(): fields have {n} rows but this writer has num_envs=1: pass one row per "
+                f"environment"
+            )
+        return arrays
 
     # -- one row in each of several lanes ---------------------------------------------------------
     def _put_rows(self, slot_ids: Lanes, index: Lanes, lanes: Lanes, rows: Sequence[Any],
@@ -239,11 +267,9 @@ class Writer(LaneWriter):
         self._meta0 = (lay.meta.offset // 8) + lane * C
         base = lane * C
         self._cols = [column[base : base + C] for column in self._columns]  # this lane's
+        self._row_columns = row_columns(self._checker, self._cols)  # (the compiled add's)
         self._stamps = storage.stamps[base : base + C]
         self._meta = storage.meta[base : base + C]
-        checker = storage.input_checker()
-        self._check_row = checker.check_row
-        self._check_batch = checker.check_batch
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
         self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
         if self._derived:
@@ -273,7 +299,7 @@ class Writer(LaneWriter):
         continues at its ``committed`` index and starts a new episode."""
         lane, lease = storage.lease_lane(lane, timeout)
         try:
-            return cls(storage, lane, lease, insert_timeout)
+            return compiled_writer_class(storage, cls)(storage, lane, lease, insert_timeout)
         except BaseException:
             lease.close()  # releases the lane now, not when the traceback dies
             raise
@@ -300,33 +326,34 @@ class Writer(LaneWriter):
         anything is written; a bad one raises ``SpecMismatchError`` and changes nothing.
         May wait up to ``self.timeout`` seconds on the rate limiter (``RateLimitTimeout``).
         """
-        if self._closed_reason is not None:
-            self._raise_closed()
-        values = self._check_row(fields)
-        i = self._next
-        q = self._words
-        if i >= self._room_until or q[self._w_lim_gen] != self._lim_gen:  # _ensure_room, inline
-            self._make_room(1, i)
-        s = i % self._C
+        # A writer's class runs this method as ``compiled_add`` made it from this source for
+        # its buffer's spec: the lines marked COMPILED(...) are replaced there.
+        lane = self  # COMPILED(lane)
+        values = lane._add_checked(fields, ())  # COMPILED(check)
+        i = lane._next
+        q = lane._words
+        if i >= lane._room_until or q[lane._w_lim_gen] != lane._lim_gen:  # _ensure_room, inline
+            lane._make_room(1, i)  # COMPILED(room)
+        s = i % lane._C
         # INLINE COPY of slots.claim + slots.write_row (a call costs ~5% of a mujoco add). It
         # omits store_fence(), a no-op on the only CPUs check_platform admits; tests/test_slots.py
         # pins this copy to slots.py and fails once store_fence() gets a body.
-        if i >= self._reserved:
-            self._reserved = i + 1
-            q[self._w_reserved] = i + 1
-        stamp = self._stamp0 + s
+        if i >= lane._reserved:
+            lane._reserved = i + 1
+            q[lane._w_reserved] = i + 1
+        stamp = lane._stamp0 + s
         q[stamp] = 2 * i + 1
-        for col, v in zip(self._cols, values):  # (a derived next_obs, last, is not stored)
+        for col, v in zip(lane._cols, values):  # COMPILED(stores)
             col[s] = v
-        q[self._meta0 + s] = self._episode_bits | (self._step & L.STEP_MASK)
+        q[lane._meta0 + s] = lane._episode_bits | (lane._step & L.STEP_MASK)
         q[stamp] = 2 * i + 2
-        q[self._w_committed] = i + 1
+        q[lane._w_committed] = i + 1
         # END OF INLINE COPY
-        self._next = i + 1
-        self._step += 1
-        if self._derived:
-            self._last_next_obs[...] = values[-1]
-        return i
+        lane._next = i + 1
+        lane._step += 1
+        if lane._derived:  # COMPILED(derived)
+            lane._last_next_obs[...] = values[-1]
+        return i  # COMPILED(return)
 
     def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
         """Append a batch: ``data[field]`` has shape ``[n, *shape]``, the same n for every field.
@@ -422,9 +449,24 @@ class Writer(LaneWriter):
 
     def _drop_views(self) -> None:
         super()._drop_views()
-        self._cols = []
+        self._cols = self._row_columns = []
         self._stamps = self._meta = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"next={self._next}"
         return f"<Writer lane={self.lane} {state}>"
+
+
+_classes: weakref.WeakKeyDictionary[RowChecker, dict[type, type]] = weakref.WeakKeyDictionary()
+
+
+def compiled_writer_class(storage: BufferStorage, base: type[Writer]) -> type[Writer]:
+    """``base`` with ``add`` compiled for ``storage``'s spec (one class per buffer and base)."""
+    cache = _classes.setdefault(storage.input_checker(), {})
+    if base not in cache:
+        add = compiled_add(Writer.add, storage.input_checker(), storage.derived_next_obs,
+                           one_env=False)
+        cache[base] = base if add is None else type(
+            base.__name__, (base,), {"add": add, "__module__": base.__module__,
+                                     "__qualname__": base.__qualname__})
+    return cache[base]

@@ -1,0 +1,161 @@
+"""``Writer.add`` compiled for one spec: the method's own source with a keyword parameter per
+field, the row checker's fast check per field inline and one store per field, so that an ``add``
+costs about twice a plain NumPy ring's instead of four to five times.
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import textwrap
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .rowcheck import _MISSING, RowChecker, fast_scalars
+
+_compiled: weakref.WeakKeyDictionary[RowChecker, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def fast_check(checker: RowChecker, k: int, var: str, one_env: bool = False
+               ) -> tuple[str, dict[str, Any]]:
+    """``RowChecker.check_row``'s fast path for field ``k`` as Python source: an expression
+    that is true when the value held in variable ``var`` stores as it is, and the names it
+    uses. It may raise (``AttributeError``: not an array) where it is false; false says
+    nothing: the caller then runs the full checker, which decides and explains.
+
+    Arrays (any field, and every field with ``one_env``: one row of a batch, ``[1, *shape]``)
+    pass as NumPy arrays or scalars of exactly the field's dtype and shape, C-contiguous;
+    scalars also as Python numbers that fit the field (``rowcheck.fast_scalars``).
+    """
+    field = checker.fields[k]
+    dtype = field.dtype
+    shape = (1, *field.shape) if one_env else field.shape
+    strides = np.empty(shape, dtype).strides
+    names = {f"_dtype{k}": dtype, f"_shape{k}": shape, f"_strides{k}": strides}
+    # Exact dtype: a NumPy object. C-contiguous strides of the field's shape say how many
+    # dimensions it has: with one, its size says its shape, and an int compares faster.
+    size = f"{var}.size == {shape[0]}" if len(shape) == 1 else f"{var}.shape == _shape{k}"
+    array = f"({var}.dtype is _dtype{k} and {var}.strides == _strides{k} and {size})"
+    if shape != ():
+        return array, names
+    scalar_types, int_lo, int_hi, f_lo, f_hi = fast_scalars(field)
+    parts = []  # Python numbers first, the commonest way to give a scalar
+    if dtype.kind == "b":
+        parts.append(f"type({var}) is bool")
+    if f_lo <= f_hi:
+        parts.append(f"(type({var}) is float and {f_lo!r} <= {var} <= {f_hi!r})")
+    if int_lo <= int_hi:
+        parts.append(f"(type({var}) is int and {int_lo!r} <= {var} <= {int_hi!r})")
+    names[f"_scalars{k}"] = scalar_types
+    parts.append(f"type({var}) in _scalars{k}")
+    return "(" + " or ".join(parts) + ")", names
+
+
+def flat_row_store(field: Any) -> bool:
+    """Whether rows of ``field`` (a ``Spec`` field) are stored through a flat memoryview of its
+    column (``row_columns``): 1-D fields of plain numeric dtypes, where a memoryview slice store
+    copies the row's bytes as NumPy would, in two thirds of the time of ``col[s] = row``."""
+    if len(field.shape) != 1 or field.dtype.kind not in "biuf" or not field.dtype.isnative:
+        return False
+    n = field.shape[0]
+    column, row = np.zeros(2 * n, field.dtype), np.arange(n).astype(field.dtype)
+    try:
+        memoryview(column)[n : 2 * n] = row  # type: ignore[call-overload, arg-type]
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+    return column[n:].tobytes() == row.tobytes()
+
+
+def row_columns(checker: RowChecker, columns: Sequence[np.ndarray]) -> list[Any]:
+    """What a compiled ``add`` stores rows into: a lane's column views, a flat memoryview of
+    each column whose field ``flat_row_store`` (its row s is ``[s*n : s*n+n]``)."""
+    return [memoryview(col.reshape(-1)) if flat_row_store(f) else col  # type: ignore[arg-type]
+            for col, f in zip(columns, checker.fields)]
+
+
+def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
+                 one_env: bool) -> Callable[..., Any] | None:
+    """``method`` (``Writer.add``) for the fields of ``checker`` (``derived``: its last field, next_obs, is
+    kept for the FINAL row instead of stored), compiled once per checker from the source of
+    ``method``, whose COMPILED(...) lines it replaces: a keyword parameter per field (no
+    dict of keyword arguments), ``fast_check`` per field with the full checker
+    (``_add_checked``) only where one is false, one store per field (``row_columns``). With
+    ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every field ``[1, ...]``, the index
+    returned as an array of one), on its lane's ``Writer``. None where field names cannot be
+    parameters (not identifiers, keywords, or names of the method's locals)."""
+    cache = _compiled.setdefault(checker, {})
+    if (method, one_env) in cache:
+        return cache[method, one_env]
+    names = checker.names
+    code = method.__code__  # a field may not shadow a local or a global it uses
+    taken = {*code.co_varnames, *code.co_names, "np"}
+    try:
+        source = textwrap.dedent(inspect.getsource(method))
+    except (OSError, TypeError):  # no source (frozen): the plain method
+        source = ""
+    if not source or any(not n.isidentifier() or keyword.iskeyword(n) or n in taken
+                         for n in names):
+        cache[method, one_env] = None
+        return None
+    scope: dict[str, Any] = {**method.__globals__, "_MISSING": _MISSING}
+    checks = []
+    for k, name in enumerate(names):
+        expr, used = fast_check(checker, k, name, one_env)
+        checks.append(expr)
+        scope.update(used)
+    given = ", ".join(names) + ","
+    stored = len(names) - 1 if derived else len(names)
+    columns = "lane._cols" if one_env else "lane._row_columns"
+    stores = [", ".join(f"_c{k}" for k in range(stored)) + f", = {columns}"]
+    for k, (name, f) in enumerate(zip(names[:stored], checker.fields)):
+        if one_env and f.shape == ():
+            stores.append(f"_c{k}[s] = {name}[0]")
+        elif flat_row_store(f) and not one_env:  # a memoryview slice: see row_columns
+            n = f.shape[0]
+            stores.append(f"_c{k}[s * {n}:s * {n} + {n}] = {name}")
+        else:
+            stores.append(f"_c{k}[s] = {name}")
+    replace = {
+        "lane": ["lane = self._lane" if one_env else "lane = self"],
+        "check": ["try:",
+                  "    _fast = lane._closed_reason is None and not fields and (",
+                  *(f"        {c}{' and' if k < len(checks) - 1 else ''}"
+                    for k, c in enumerate(checks)),
+                  "    )",
+                  "except Exception:  # e.g. AttributeError: not an array",
+                  "    _fast = False",
+                  "if not _fast:",
+                  f"    {given} = self._add_checked(fields, ({given}), {one_env})"],
+        "room": ["self._make_lane_room(i)" if one_env else "lane._make_room(1, i)"],
+        "stores": stores,
+        "derived": [f"lane._last_next_obs[...] = {names[-1]}"] if derived else [],
+        "return": ["_r = np.empty(1, np.int64)", "_r[0] = i", "return _r"] if one_env
+        else ["return i"],
+    }
+    lines, skip_body, body_indent = [], False, 0
+    for line in source.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        if skip_body:
+            if len(indent) > body_indent:
+                continue
+            skip_body = False
+        if line.lstrip().startswith("def add("):
+            params = "".join(f"{n}=_MISSING, " for n in names)
+            lines.append(f"def add(self, *, {params}**fields):")
+            continue
+        if "# COMPILED(" in line:
+            key = line.split("# COMPILED(")[1].split(")")[0]
+            lines += [indent + r for r in replace[key]]
+            if line.split("#")[0].rstrip().endswith(":"):  # a compound statement: its body too
+                skip_body, body_indent = True, len(indent)
+            continue
+        lines.append(line)
+    code = compile("\n".join(lines) + "\n", "<Writer.add compiled for a spec>", "exec")
+    exec(code, scope)  # noqa: S102 - Writer.add's own source, field names checked above
+    fn = cache[method, one_env] = scope["add"]
+    fn.__doc__ = method.__doc__
+    fn.__source__ = "\n".join(lines)  # for reading: print(type(w).add.__source__)
+    return fn
