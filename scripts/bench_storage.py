@@ -13,6 +13,7 @@ would (see ``run_isolated``). Benchmarks report, they do not gate: the exit code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -219,6 +220,76 @@ def add_runner(add: Callable[..., Any], rows: list[tuple[Any, ...]]) -> Callable
     return run
 
 
+def env_rows(spec: Spec, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``rows`` as a one-env vectorized environment hands them over (SB3's ``add``, a
+    one-env ``VectorWriter``): every field an array of its dtype with a leading axis of 1."""
+    dtypes = [spec[name].dtype for name in FIELDS]
+    return [tuple(np.asarray(v, dt).reshape(1, *np.shape(v)) for v, dt in zip(row, dtypes))
+            for row in rows]
+
+
+SMALL_CAPACITY = 2000  # rows per lane of the buffers that only the one-env add cases write
+
+
+def one_env_group(spec: Spec, rows: list[tuple[Any, ...]], stack: Any) -> Group:
+    """``Writer.add`` and a one-env ``VectorWriter.add`` on two lanes of one small buffer, and
+    SB3's own ``ReplayBuffer.add`` with shmbuf's SB3 adapter, both of ``SMALL_CAPACITY`` rows
+    (issue 12: the vector writer within 10% of the writer, add within 1.5x of SB3's).
+    Buffers and writers are entered on ``stack``. SB3 cases only where SB3 is installed."""
+    buf = stack.enter_context(ReplayBuffer.create(spec, SMALL_CAPACITY, lanes=2))
+    w = stack.enter_context(buf.writer(lane=0))
+    vw = stack.enter_context(buf.writer(lanes=[1], num_envs=1))
+    vrows = env_rows(spec, rows)
+    batch = {name: np.concatenate([np.asarray(r[k], spec[name].dtype)[None] for r in rows])
+             for k, name in enumerate(FIELDS)}
+    for _ in range(-(-SMALL_CAPACITY // len(rows))):  # touch every page, as the big buffer's
+        w.extend(batch)
+    add_runner(vw.add, vrows)(SMALL_CAPACITY)
+    cases = [Case("writer add (2k)", add_runner(w.add, rows)),
+             Case("vector(1) add", add_runner(vw.add, vrows))]
+    pairs = [("vector(1) add", "writer add (2k)")]
+    try:
+        from gymnasium import spaces
+        from stable_baselines3.common.buffers import ReplayBuffer as SB3Buffer
+
+        from shmbuf.integrations.sb3 import ReplayBuffer as SharedSB3
+    except ImportError:
+        return Group(cases, pairs)
+    f = spec["obs"]
+    obs_space = spaces.Box(0, 255, f.shape, f.dtype) if f.dtype.kind == "u" else spaces.Box(
+        -np.inf, np.inf, f.shape, f.dtype)
+    a = spec["action"]
+    act_space = spaces.Discrete(18) if a.shape == () else spaces.Box(-1, 1, a.shape, a.dtype)
+    sb3 = SB3Buffer(SMALL_CAPACITY, obs_space, act_space, device="cpu")
+    shared = SharedSB3(SMALL_CAPACITY, obs_space, act_space, device="cpu")
+    stack.callback(shared.close)
+    infos: list[dict[str, Any]] = [{}]
+    srows = [(o, no, act.reshape(1, -1) if act.ndim == 1 else act, r, d)
+             for o, no, act, r, d in vrows]
+
+    def sb3_runner(target: Any) -> Callable[[int], float]:
+        add = target.add
+
+        def run(n: int) -> float:
+            full, rest = divmod(n, len(srows))
+            t0 = time.perf_counter()
+            for _ in range(full):
+                for o, no, act, r, d in srows:
+                    add(o, no, act, r, d, infos)
+            for o, no, act, r, d in srows[:rest]:
+                add(o, no, act, r, d, infos)
+            return time.perf_counter() - t0
+
+        return run
+
+    for target in (sb3, shared):
+        sb3_runner(target)(SMALL_CAPACITY)  # touch every page
+    cases += [Case("sb3 add", sb3_runner(sb3)), Case("shmbuf sb3 add", sb3_runner(shared))]
+    pairs += [("writer add (2k)", "sb3 add"), ("vector(1) add", "sb3 add"),
+              ("shmbuf sb3 add", "sb3 add")]
+    return Group(cases, pairs)
+
+
 def sample_group(buf: ReplayBuffer, spec: Spec, cols: dict[str, np.ndarray], B: int,
                  row_bytes: int, views: list[Any]) -> Group:
     """``buf.sample()`` (new arrays per call, the public API) and ``buf.sample_into()`` (reused
@@ -309,6 +380,8 @@ def bench_workload(wl: Workload, capacity: int, rounds: int, seconds: float) -> 
                 [(ext, "numpy ring copyto"), (ext, "hot memcpy")],
             ),
         ]
+        stack = contextlib.ExitStack()
+        groups.append(one_env_group(spec, rows, stack))
         cols = {n: buf.column(n) for n in spec}  # zero-copy views of the buffer's own memory
         # The views must be gone before the buffer unmaps, even while a traceback (Ctrl-C)
         # still holds the frames and closures that reference them.
@@ -317,6 +390,8 @@ def bench_workload(wl: Workload, capacity: int, rounds: int, seconds: float) -> 
             benchlib.run_rounds([g.cases for g in groups], rounds, seconds, wl.name)
             assert len(buf) == capacity
             result = summarize(groups)
+        groups = []  # the one-env buffers' writers are in its cases: drop them before closing
+        stack.close()
     result.update(capacity=capacity, row_bytes=row_bytes, segment_bytes=segment_bytes)
     return result
 
