@@ -14,7 +14,7 @@ from . import layout as L
 from . import slots
 from ._recycle import Recycler
 from .errors import SamplingError, SpecMismatchError, StaleIndexError
-from .sampling import Draw, Windows, draw_uniform
+from .sampling import Draw, Windows, draw_uniform, every_index
 from .sampling.plan import Compiled, Plan, compile_plan
 
 if TYPE_CHECKING:
@@ -140,6 +140,31 @@ class BatchReader:
             f"{max_retries} times in a row: writers lap the readers. Fix: a larger capacity "
             f"(now {self._capacity} per lane) or slower writers"
         )
+
+    # -- rows chosen by the caller (epochs) ------------------------------------------------------
+    @staticmethod
+    def _reads_plain(plan: Compiled | None) -> bool:
+        return plan is None or (plan.plan.is_plain and not plan.derived_next_obs)
+
+    def anchors(self, plan: Compiled | None, among: Draw | None) -> Draw:
+        """``ReplayBuffer.anchors``: where batches of ``plan`` may start now."""
+        if not self._reads_plain(plan):
+            assert plan is not None
+            return self._reader(plan).usable_anchors(among)
+        win = self._storage.windows()
+        if among is None:
+            return every_index(win)
+        held = (among.indices >= win.lo[among.lanes]) & (among.indices < win.hi[among.lanes])
+        return Draw(among.lanes[held], among.indices[held])
+
+    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+                  plan: Compiled | None) -> bool:
+        """``ReplayBuffer.gather_at``: read the batch at given anchors; False if stale."""
+        if not self._reads_plain(plan):
+            assert plan is not None
+            anchors = indices[:, 0] if indices.ndim > 1 else indices  # a sequence's first step
+            return self._reader(plan).read_at(cast("dict[str, np.ndarray]", out), lanes, anchors)
+        return bool(self._gather(lanes, indices, out).all())
 
     def sample(self, batch_size: int, rng: RngLike, fields: list[str] | None,
                plan: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -239,6 +239,23 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
         self._check_open()
         return self._batches.sample_into(out, rng, plan, sampler, max_retries)
 
+    def anchors(self, plan: Compiled | None = None, *, among: Draw | None = None) -> Draw:
+        """Where a batch row of ``plan`` may start now, each once: every readable transition,
+        or with a compiled plan every start ``sample_into(plan=)`` may draw (windows that fit
+        the plan's episode rules, stacks that can be rebuilt...), lanes in order and indices
+        ascending. With ``among``: those of its anchors that still may. For epochs."""
+        self._check_open()
+        return self._batches.anchors(plan, among)
+
+    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+                  *, plan: Compiled | None = None) -> bool:
+        """Read the batch whose rows start at ``(lanes, indices)`` (``anchors``, or the indices
+        ``sample_into`` returned: a sequence's ``[B, T]`` too) into ``out``, as ``sample_into``
+        would have. Returns False if a row can no longer be read whole (overwritten, or no
+        longer a valid start): ``out`` is then partly written and should be discarded."""
+        self._check_open()
+        return self._batches.gather_at(out, lanes, indices, plan)
+
     def compile(self, plan: Plan | None = None, fields: list[str] | None = None,
                 **plan_kwargs: Any) -> Compiled:
         """Check a sampling plan (or ``Plan(**plan_kwargs)``) against this buffer; the result
