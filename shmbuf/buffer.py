@@ -17,7 +17,7 @@ from typing import Any, overload
 import numpy as np
 
 from . import layout as L
-from .batches import MAX_RETRIES, BatchReader, RngLike, Sampler
+from .batches import MAX_RETRIES, AnchorSurface, BatchReader, RngLike, Sampler
 from .checkpoint import CheckpointSurface
 from .checks import positive_int, timeout_seconds
 from .errors import ClosedError
@@ -35,7 +35,7 @@ from .writer import Writer
 DEFAULT_INSERT_TIMEOUT = 60.0
 
 
-class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
+class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface, AnchorSurface):
     """A replay buffer in POSIX shared memory, shared by any number of processes.
 
     The creator owns the segment and unlinks it on ``close()``, at exit and on SIGTERM. Any
@@ -238,23 +238,6 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
         """
         self._check_open()
         return self._batches.sample_into(out, rng, plan, sampler, max_retries)
-
-    def anchors(self, plan: Compiled | None = None, *, among: Draw | None = None) -> Draw:
-        """Where a batch row of ``plan`` may start now, each once: every readable transition,
-        or with a compiled plan every start ``sample_into(plan=)`` may draw (windows that fit
-        the plan's episode rules, stacks that can be rebuilt...), lanes in order and indices
-        ascending. With ``among``: those of its anchors that still may. For epochs."""
-        self._check_open()
-        return self._batches.anchors(plan, among)
-
-    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
-                  *, plan: Compiled | None = None) -> bool:
-        """Read the batch whose rows start at ``(lanes, indices)`` (``anchors``, or the indices
-        ``sample_into`` returned: a sequence's ``[B, T]`` too) into ``out``, as ``sample_into``
-        would have. Returns False if a row can no longer be read whole (overwritten, or no
-        longer a valid start): ``out`` is then partly written and should be discarded."""
-        self._check_open()
-        return self._batches.gather_at(out, lanes, indices, plan)
 
     def compile(self, plan: Plan | None = None, fields: list[str] | None = None,
                 **plan_kwargs: Any) -> Compiled:

@@ -198,24 +198,20 @@ class PlanReader:
         return sel.take(np.flatnonzero(usable)[:want])
 
     def anchor_windows(self, windows: Windows) -> Windows:
-        """Where anchors are drawn from: each lane's window less the ``tail_rows`` a strict
-        window must leave after its start."""
+        """Each lane's window less the ``tail_rows`` a strict window must leave after its start."""
         return Windows(windows.lo, np.maximum(windows.hi - self.tail_rows, windows.lo))
 
     def usable_anchors(self, among: Draw | None = None, chunk: int = ANCHOR_CHUNK) -> Draw:
-        """The anchors a batch may start at now, judged as draws are (``_probe``): every one
-        in the lanes' anchor windows (lanes in order, indices ascending), or those of
-        ``among`` that still are. Probed ``chunk`` anchors at a time, so memory stays bounded
-        (a probe is ``[chunk, len(offsets)]``)."""
+        """The anchors a batch may start at now, judged as draws are (``_probe``): all in the
+        lanes' anchor windows (lanes in order, indices ascending), or those of ``among`` that
+        still are; ``chunk`` at a time (a probe is ``[chunk, len(offsets)]``)."""
         windows = self.storage.windows()
-        if among is None:
-            among = every_index(self.anchor_windows(windows))
-        parts = [self._probe(Draw(among.lanes[at:at + chunk], among.indices[at:at + chunk]),
-                             windows, chunk) for at in range(0, among.lanes.size, chunk)]
-        if not parts:
-            return Draw(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        return Draw(np.concatenate([p.lanes for p in parts]),
-                    np.concatenate([p.anchors for p in parts]))
+        among = every_index(self.anchor_windows(windows)) if among is None else among
+        sels = [self._probe(Draw(among.lanes[at:at + chunk], among.indices[at:at + chunk]),
+                            windows, chunk) for at in range(0, among.lanes.size, chunk)]
+        none = [np.zeros(0, np.int64)]
+        return Draw(np.concatenate([s.lanes for s in sels] + none),
+                    np.concatenate([s.anchors for s in sels] + none))
 
     def read_at(self, out: dict[str, np.ndarray], lanes: np.ndarray, anchors: np.ndarray
                 ) -> bool:

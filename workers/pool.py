@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import multiprocess
@@ -30,11 +29,12 @@ from .delivery import Delivery, PoolParts, device_backend
 from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
 from .device import Backend
+from .epochs import EpochIteration
 from .selection import Selection, UniformSelection, open_selection, selection_kind
 from .supervise import forget, parent_only
 
 
-class SamplerPool:
+class SamplerPool(EpochIteration):
     """Sampler worker processes that keep a ring of ready batches for the learner.
 
     Args:
@@ -79,14 +79,7 @@ class SamplerPool:
             shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
             weights; ``update_priorities`` sets new ones); or "queue" (every transition
             delivered exactly once, oldest first, writers waiting while the queue is full); or
-            "epoch" (each held transition, or each start of a sequence or frame-stack plan,
-            once per epoch in a seeded order; ``epoch()`` iterates one epoch, and
-            ``batch.epoch``/``batch.ends_epoch`` tell where epochs end: ``EpochSelection``).
-        drop_last: ``sampler="epoch"``: skip the ``N % batch_size`` rows an epoch ends with
-            (True, the default), or deliver them as a shorter last batch (False, as PyTorch's
-            DataLoader: every field's first dimension is the remainder).
-        carry_remainder: with ``drop_last=False``: put those rows first in the next batch and
-            fill it up from the next epoch instead, so every batch has ``batch_size`` rows.
+            "epoch" (every transition or plan start once per epoch: ``EpochIteration``).
         alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
@@ -145,12 +138,11 @@ class SamplerPool:
                 batch_size=batch_size, n_workers=n_workers, n_staging=n_staging, seed=seed,
                 start_method=start_method, transform=transform, min_size=min_size,
                 samples_per_insert=samples_per_insert, timeout=timeout, output=output,
-                ordered=ordered, pin_memory=pin_memory,
-                max_restarts_per_minute=max_restarts_per_minute, fields=fields,
-                transform_spec=transform_spec, plan=plan, sampler=sampler, alpha=alpha,
-                beta=beta, eps=eps, max_times_sampled=max_times_sampled, device=device,
-                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last,
-                carry_remainder=carry_remainder)
+                ordered=ordered, pin_memory=pin_memory, fields=fields,
+                max_restarts_per_minute=max_restarts_per_minute, transform_spec=transform_spec,
+                plan=plan, sampler=sampler, alpha=alpha, beta=beta, eps=eps,
+                max_times_sampled=max_times_sampled, device=device, device_prefetch=device_prefetch,
+                plan_kwargs=plan_kwargs, drop_last=drop_last, carry_remainder=carry_remainder)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (
@@ -226,26 +218,6 @@ class SamplerPool:
         self._wait_s += time.perf_counter() - t0
         self._batches += 1
         return batch
-
-    def epoch(self, timeout: float | None = None) -> Iterator[Batch]:
-        """The batches of one epoch (``sampler="epoch"``): from the next batch to the one that
-        ends its epoch (``batch.ends_epoch``), each valid until the next is taken.
-
-        Raises:
-            ShmbufError: the pool's sampler is not "epoch".
-        """
-        self._check_open()
-        if not self._selection.tags_batches:
-            raise ShmbufError(f"epoch() needs SamplerPool(..., sampler='epoch'); this pool's "
-                              f"sampler is {self._config.selection!r}")
-        return self._epoch_batches(timeout)
-
-    def _epoch_batches(self, timeout: float | None) -> Iterator[Batch]:
-        while True:
-            batch = self.next(timeout)
-            yield batch
-            if batch.ends_epoch:
-                return
 
     # -- priorities -------------------------------------------------------------------------------
     def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None) -> int:
