@@ -44,9 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning-starts", type=int, default=1_000)
     p.add_argument("--samples-per-insert", type=float, default=16.0,
                    help="rows sampled per env step (the actors wait beyond this)")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--gamma", type=float, default=0.99)
-    p.add_argument("--target-every", type=int, default=200, help="updates between target syncs")
+    p.add_argument("--target-every", type=int, default=250, help="updates between target syncs")
     p.add_argument("--publish-every", type=int, default=50, help="updates between weight pushes")
     p.add_argument("--explore-steps", type=int, default=10_000,
                    help="steps over which each actor's epsilon falls from 1 to its floor")
@@ -69,7 +69,7 @@ def make_actor(board_name: str, n_actors: int, explore_steps: int) -> Any:
         torch.set_num_threads(1)
         board = shmbuf.ReplayBuffer.attach(board_name)  # the learner's published weights
         net, version = q_network(), 0
-        floor = 0.4 ** (1 + 7 * ctx.actor_id / max(n_actors - 1, 1))  # Ape-X epsilons
+        floor = 0.1 ** (1 + ctx.actor_id / max(n_actors - 1, 1))  # 0.1 .. 0.01 (Ape-X style)
         env = gym.make("CartPole-v1")
         obs, _ = env.reset(seed=int(ctx.rng.integers(2**31)))
         episode_return, steps = 0.0, 0
@@ -161,14 +161,14 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                     push()
                 if time.monotonic() >= next_report:
                     actors.poll()  # re-raises an actor's exception, restarts a crashed one
-                    loss = float(td)
+                    loss = td.item()
                     ret, episodes = recent_return(buf)
                     if first is None and episodes >= 2 * args.actors:
                         first = ret
                     print(f"{time.monotonic() - t0:5.1f}s  env steps {len(buf):6d}  updates "
                           f"{updates:6d}  episodes {episodes:4d}  recent return {ret:6.1f}  "
                           f"loss {loss:.3f}", flush=True)
-                    next_report += 2.0
+                    next_report = time.monotonic() + 2.0
             ret, episodes = recent_return(buf)
             result = {"seconds": time.monotonic() - t0, "env_steps": len(buf),
                       "updates": updates, "episodes": episodes, "first_return": first or ret,
