@@ -9,8 +9,9 @@ replay buffer while a plain torch DQN learner trains from a ``SamplerPool``.
 - ``samples_per_insert`` paces the actors to the learner (Reverb-style), so the ratio of
   updates to environment steps stays what it is set to, however fast either side runs.
 
-Run: ``python examples/actor_learner_dqn.py --seconds 30`` (needs torch and gymnasium). It
-prints progress every couple of seconds and a final line with the return of the last episodes.
+Run: ``python examples/actor_learner_dqn.py --seconds 30`` (needs torch and gymnasium:
+``pip install -e '.[torch,gym]'``). It prints progress every couple of seconds and a final line
+with the recent return (each actor's last 5 episodes) against the first one measured.
 """
 
 from __future__ import annotations

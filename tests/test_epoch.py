@@ -132,18 +132,22 @@ def test_short_last_batch_holds_the_remainder(buf, start_method):
     assert run(5) == epochs
 
 
-def test_short_last_batch_in_process_as_torch_tensors(buf):
+@pytest.mark.parametrize("where", [{"output": "torch"}, {"device": "cpu"}],
+                         ids=["torch", "device"])
+def test_short_last_batch_as_torch_tensors(buf, where):
+    """Host tensors, and device tensors (``device=``: copied through the device stage, whose
+    batches carry their epoch tags too), in-process and from workers: the same batches."""
     pytest.importorskip("torch")
-    with SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", seed=2, output="torch",
-                     drop_last=False) as pool:
+    with SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", seed=2, drop_last=False,
+                     **where) as pool:
         batches = [b.copy() for b in pool.epoch()]
         assert [len(b["obs"]) for b in batches] == [B] * 10 + [7]
         assert [b["weights"].shape[0] for b in batches][-1] == 7
-        with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=2,
-                         drop_last=False) as workers:
-            same = [b.copy() for b in workers.epoch()]
-        for a, b in zip(batches, same, strict=True):
-            assert (a["obs"].numpy() == b["obs"]).all()
+    with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=2, drop_last=False,
+                     **where) as workers:
+        same = [b.copy() for b in workers.epoch()]
+    for a, b in zip(batches, same, strict=True):
+        assert (a["obs"] == b["obs"]).all() and (a["indices"] == b["indices"]).all()
 
 
 def test_an_epoch_smaller_than_a_batch_is_one_short_batch():
