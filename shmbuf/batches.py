@@ -1,5 +1,6 @@
 """``BatchReader``: every read of one buffer's rows behind the ``ReplayBuffer`` façade: uniform
-and custom draws, compiled plans, rows by logical index, and the caches those reads keep.
+and custom draws, compiled plans, rows by logical index or chosen anchors (``AnchorSurface``),
+and the caches those reads keep.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from . import layout as L
 from . import slots
 from ._recycle import Recycler
 from .errors import SamplingError, SpecMismatchError, StaleIndexError
-from .sampling import Draw, Windows, draw_uniform
+from .sampling import Draw, Windows, draw_uniform, every_index
 from .sampling.plan import Compiled, Plan, compile_plan
 
 if TYPE_CHECKING:
@@ -141,6 +142,31 @@ class BatchReader:
             f"(now {self._capacity} per lane) or slower writers"
         )
 
+    # -- rows chosen by the caller (epochs) ------------------------------------------------------
+    @staticmethod
+    def _reads_plain(plan: Compiled | None) -> bool:
+        return plan is None or (plan.plan.is_plain and not plan.derived_next_obs)
+
+    def anchors(self, plan: Compiled | None, among: Draw | None) -> Draw:
+        """``ReplayBuffer.anchors``: where batches of ``plan`` may start now."""
+        if not self._reads_plain(plan):
+            assert plan is not None
+            return self._reader(plan).usable_anchors(among)
+        win = self._storage.windows()
+        if among is None:
+            return every_index(win)
+        held = (among.indices >= win.lo[among.lanes]) & (among.indices < win.hi[among.lanes])
+        return Draw(among.lanes[held], among.indices[held])
+
+    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+                  plan: Compiled | None) -> bool:
+        """``ReplayBuffer.gather_at``: read the batch at given anchors; False if stale."""
+        if not self._reads_plain(plan):
+            assert plan is not None
+            anchors = indices[:, 0] if indices.ndim > 1 else indices  # a sequence's first step
+            return self._reader(plan).read_at(cast("dict[str, np.ndarray]", out), lanes, anchors)
+        return bool(self._gather(lanes, indices, out).all())
+
     def sample(self, batch_size: int, rng: RngLike, fields: list[str] | None,
                plan: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``ReplayBuffer.sample``: ``sample_into`` arrays nobody else references."""
@@ -192,3 +218,32 @@ class BatchReader:
             out["_step"] = meta & L.STEP_MASK
             out["_final"] = (meta & L.FLAG_FINAL) != 0
         return out
+
+
+class AnchorSurface:
+    """Reads of rows the caller chose (epochs): the part of the ``ReplayBuffer`` façade over
+    ``BatchReader.anchors`` / ``gather_at`` (a mixin).
+
+    Concurrency: loads only, checked as ``sample_into``'s reads are.
+    """
+
+    _batches: BatchReader
+    if TYPE_CHECKING:  # provided by ReplayBuffer
+        def _check_open(self) -> None: ...
+
+    def anchors(self, plan: Compiled | None = None, *, among: Draw | None = None) -> Draw:
+        """Where a batch row of ``plan`` may start now, each once: every readable transition,
+        or with a compiled plan every start ``sample_into(plan=)`` may draw (windows that fit
+        the plan's episode rules, stacks that can be rebuilt...), lanes in order and indices
+        ascending. With ``among``: those of its anchors that still may. For epochs."""
+        self._check_open()
+        return self._batches.anchors(plan, among)
+
+    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+                  *, plan: Compiled | None = None) -> bool:
+        """Read the batch whose rows start at ``(lanes, indices)`` (``anchors``, or the indices
+        ``sample_into`` returned: a sequence's ``[B, T]`` too) into ``out``, as ``sample_into``
+        would have. Returns False if a row can no longer be read whole (overwritten, or no
+        longer a valid start): ``out`` is then partly written and should be discarded."""
+        self._check_open()
+        return self._batches.gather_at(out, lanes, indices, plan)

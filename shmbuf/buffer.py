@@ -17,7 +17,7 @@ from typing import Any, overload
 import numpy as np
 
 from . import layout as L
-from .batches import MAX_RETRIES, BatchReader, RngLike, Sampler
+from .batches import MAX_RETRIES, AnchorSurface, BatchReader, RngLike, Sampler
 from .checkpoint import CheckpointSurface
 from .checks import positive_int, timeout_seconds
 from .errors import ClosedError
@@ -35,7 +35,7 @@ from .writer import Writer
 DEFAULT_INSERT_TIMEOUT = 60.0
 
 
-class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface):
+class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface, AnchorSurface):
     """A replay buffer in POSIX shared memory, shared by any number of processes.
 
     The creator owns the segment and unlinks it on ``close()``, at exit and on SIGTERM. Any

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import layout
 from .errors import SamplingError
-from .sampling import Draw, Windows, draw_uniform
+from .sampling import Draw, Windows, draw_uniform, every_index
 from .sampling.framestack import stack_mask, stack_offsets
 from .sampling.nstep import nstep_discount, nstep_extent, nstep_return
 from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled
@@ -33,6 +33,8 @@ from .slots import held_stamps, load_stamps, overwritten_since, reload_stamps
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
+
+ANCHOR_CHUNK = 1 << 16  # anchors probed at once by ``usable_anchors`` (bounds its memory)
 
 
 @dataclass
@@ -195,6 +197,32 @@ class PlanReader:
         sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep)
         return sel.take(np.flatnonzero(usable)[:want])
 
+    def anchor_windows(self, windows: Windows) -> Windows:
+        """Each lane's window less the ``tail_rows`` a strict window must leave after its start."""
+        return Windows(windows.lo, np.maximum(windows.hi - self.tail_rows, windows.lo))
+
+    def usable_anchors(self, among: Draw | None = None, chunk: int = ANCHOR_CHUNK) -> Draw:
+        """The anchors a batch may start at now, judged as draws are (``_probe``): all in the
+        lanes' anchor windows (lanes in order, indices ascending), or those of ``among`` that
+        still are; ``chunk`` at a time (a probe is ``[chunk, len(offsets)]``)."""
+        windows = self.storage.windows()
+        among = every_index(self.anchor_windows(windows)) if among is None else among
+        sels = [self._probe(Draw(among.lanes[at:at + chunk], among.indices[at:at + chunk]),
+                            windows, chunk) for at in range(0, among.lanes.size, chunk)]
+        none = [np.zeros(0, np.int64)]
+        return Draw(np.concatenate([s.lanes for s in sels] + none),
+                    np.concatenate([s.anchors for s in sels] + none))
+
+    def read_at(self, out: dict[str, np.ndarray], lanes: np.ndarray, anchors: np.ndarray
+                ) -> bool:
+        """Fill ``out`` with the batch whose rows start at ``anchors``; False if one of them is
+        no longer usable or was overwritten while read (``out`` is then partly written)."""
+        sel = self._probe(Draw(lanes, anchors), self.storage.windows(), anchors.size)
+        if len(sel.anchors) < anchors.size:
+            return False
+        self.fill(sel, out)
+        return bool(self._stable(sel).all())
+
     def _select(self, count: int, rng: np.random.Generator, max_rounds: int) -> _Selection:
         parts: list[_Selection] = []
         have = 0
@@ -208,9 +236,7 @@ class PlanReader:
                 positions += lo
                 draw = Draw(np.zeros(positions.size, np.int64), positions)
             else:
-                anchor_windows = Windows(windows.lo,
-                                         np.maximum(windows.hi - self.tail_rows, windows.lo))
-                draw = draw_uniform(anchor_windows, want + want // 4 + 4, rng)
+                draw = draw_uniform(self.anchor_windows(windows), want + want // 4 + 4, rng)
             sel = self._probe(draw, windows, want)
             if len(sel.anchors):
                 parts.append(sel)

@@ -26,13 +26,29 @@ class Batch(Mapping[str, Any]):
         lanes: lane of each row (``int64[B]``).
         weights: importance weights (``float32[B]``), all ones for uniform sampling.
         slot: the staging slot (or, with ``device=``, the device buffer) it occupies.
+        epoch: ``sampler="epoch"``: the epoch (from 0) its rows belong to (its first rows',
+            if the remainder of an epoch was carried into it); else None.
+        ends_epoch: ``sampler="epoch"``: the last batch of its epoch (``SamplerPool.epoch``
+            stops after it).
     """
 
     __slots__ = ("_data", "_indices", "_lanes", "_weights", "_release_fn", "_to_fn", "_released",
-                 "slot", "generation")
+                 "slot", "generation", "epoch", "ends_epoch")
 
     def __init__(self, data: dict[str, Any], indices: Any, lanes: Any, weights: Any,
-                 release_fn: Any, slot: int = -1, generation: int = 0, to_fn: Any = None) -> None:
+                 release_fn: Any, slot: int = -1, generation: int = 0, to_fn: Any = None,
+                 info: list[int] | None = None) -> None:
+        """``info``: the slot's ``staging.INFO`` words (rows filled, epoch + 1, ends epoch) of a
+        learner-chosen batch; a batch of fewer rows than the slot's views its first rows."""
+        self.epoch: int | None = None
+        self.ends_epoch = False
+        if info is not None:
+            rows, epoch, ends = info
+            if epoch:
+                self.epoch, self.ends_epoch = epoch - 1, bool(ends)
+            if rows:  # a short batch (an epoch's last): views of the rows filled
+                data = {k: v[:rows] for k, v in data.items()}
+                indices, lanes, weights = indices[:rows], lanes[:rows], weights[:rows]
         self._data = data
         self._indices = indices
         self._lanes = lanes

@@ -55,7 +55,9 @@ class PoolConfig:
     max_times_sampled: int | None
     device: Any
     device_prefetch: int
-    drop_last: bool = True  # sampler="epoch": skip an epoch's rows short of a whole batch
+    # sampler="epoch": an epoch's rows short of a whole batch make a "short" last batch, are
+    # skipped ("drop"), or open the next epoch's first batch ("carry"): ``EpochSelection``
+    epoch_remainder: str = "drop"
 
     @classmethod
     def from_args(cls, *, batch_size: int, n_workers: int | None, n_staging: int | None,
@@ -65,7 +67,7 @@ class PoolConfig:
                   transform_spec: dict[str, Any] | None, plan: Plan | None, sampler: str,
                   alpha: float, beta: Any, eps: float, max_times_sampled: int | None,
                   device: Any, device_prefetch: int, plan_kwargs: dict[str, Any],
-                  drop_last: bool = True) -> PoolConfig:
+                  drop_last: bool = True, carry_remainder: bool = False) -> PoolConfig:
         """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
         if device is not None:
@@ -105,6 +107,7 @@ class PoolConfig:
                                   or times < 1):
             raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
         beta_at = beta_schedule(beta)
+        remainder = epoch_remainder(drop_last, carry_remainder)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         _check_picklable(transform)  # serialised here: an unpicklable one fails at the call site
@@ -117,7 +120,7 @@ class PoolConfig:
             pin_memory=pin_memory,
             max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
             beta=beta_at, eps=eps, max_times_sampled=times, device=device,
-            device_prefetch=device_prefetch, drop_last=bool(drop_last),
+            device_prefetch=device_prefetch, epoch_remainder=remainder,
         )
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:
@@ -149,6 +152,19 @@ class PoolConfig:
                 )
             out.append((str(name), arr.shape[1:], arr.dtype))
         return out
+
+
+def epoch_remainder(drop_last: Any, carry_remainder: Any) -> str:
+    """``EpochSelection``'s remainder mode from ``drop_last`` and ``carry_remainder``."""
+    for name, value in (("drop_last", drop_last), ("carry_remainder", carry_remainder)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if carry_remainder:
+        if drop_last:
+            raise ValueError("carry_remainder=True carries an epoch's last rows into the next "
+                             "batch instead of dropping them: pass drop_last=False with it")
+        return "carry"
+    return "drop" if drop_last else "short"
 
 
 def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> RateLimit | None:

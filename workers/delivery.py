@@ -25,7 +25,7 @@ from .batch import Batch
 from .config import PoolConfig
 from .device import Backend, DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
 from .selection import Selection
-from .staging import INDICES, LANES, PMIN, PROBS, WEIGHTS
+from .staging import INDICES, INFO, LANES, PMIN, PROBS, WEIGHTS
 from .supervise import Child
 
 
@@ -193,6 +193,7 @@ class Delivery:
 
     def hold(self, slot: int, step: int) -> Batch:
         views = self.take_slot(slot, step)
+        info = views[INFO].tolist() if self.selection.tags_batches else None
         if self.jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
             views, fence = self.jax.wrap(
                 {**{n: views[n] for n in self.out_fields}, INDICES: views[INDICES],
@@ -202,7 +203,7 @@ class Delivery:
         batch = Batch(
             {n: views[n] for n in self.out_fields}, views[INDICES], views[LANES], views[WEIGHTS],
             self.release_batch, slot, self.gen[slot],
-            to_fn=self.batch_to if self.cfg.output == "torch" else None,
+            to_fn=self.batch_to if self.cfg.output == "torch" else None, info=info,
         )
         if self.weighted:
             self.recent.add(views[INDICES], np.array(views[LANES]))
@@ -245,7 +246,8 @@ class Delivery:
         views = self.take_slot(slot, step)
         host = {n: views[n] for n in self.out_fields}
         host[WEIGHTS] = views[WEIGHTS]
-        tag = (self.gen[slot], views[INDICES].clone(), views[LANES].clone())
+        info = views[INFO].tolist() if self.selection.tags_batches else None
+        tag = (self.gen[slot], views[INDICES].clone(), views[LANES].clone(), info)
         try:
             self.fences.add(slot, stage.submit(host, tag))
         except BaseException:
@@ -257,9 +259,9 @@ class Delivery:
 
     def hold_device(self, stage: DeviceStage) -> Batch:
         """The learner takes the oldest device buffer of ``stage`` (``self.stage``)."""
-        index, arrays, (gen, indices, lanes) = stage.take()
+        index, arrays, (gen, indices, lanes, info) = stage.take()
         batch = Batch({n: arrays[n] for n in self.out_fields}, indices, lanes, arrays[WEIGHTS],
-                      self.release_device_batch, index, gen)
+                      self.release_device_batch, index, gen, info=info)
         if self.weighted:
             self.recent.add(indices, lanes.numpy())
         self.held = batch

@@ -93,7 +93,7 @@ class BatchFiller:
         if one was overwritten before it was read."""
         arrays = self.slots[slot]
         lanes, indices = arrays[LANES].copy(), arrays[INDICES].copy()
-        if not self.buf.storage.gather(lanes, indices, self.targets[slot]).all():
+        if not self.buf.gather_at(self.targets[slot], lanes, indices, plan=self.compiled):
             return False
         self._finish(slot)
         return True

@@ -29,11 +29,12 @@ from .delivery import Delivery, PoolParts, device_backend
 from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
 from .device import Backend
+from .epochs import EpochIteration
 from .selection import Selection, UniformSelection, open_selection, selection_kind
 from .supervise import forget, parent_only
 
 
-class SamplerPool:
+class SamplerPool(EpochIteration):
     """Sampler worker processes that keep a ring of ready batches for the learner.
 
     Args:
@@ -78,7 +79,7 @@ class SamplerPool:
             shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
             weights; ``update_priorities`` sets new ones); or "queue" (every transition
             delivered exactly once, oldest first, writers waiting while the queue is full); or
-            "epoch" (each held transition once per epoch; ``drop_last``: ``EpochSelection``).
+            "epoch" (every transition or plan start once per epoch: ``EpochIteration``).
         alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
@@ -123,7 +124,7 @@ class SamplerPool:
         eps: float = 1e-6,
         max_times_sampled: int | None = None,
         device: Any = None,
-        device_prefetch: int = 2, drop_last: bool = True,
+        device_prefetch: int = 2, drop_last: bool = True, carry_remainder: bool = False,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -137,11 +138,11 @@ class SamplerPool:
                 batch_size=batch_size, n_workers=n_workers, n_staging=n_staging, seed=seed,
                 start_method=start_method, transform=transform, min_size=min_size,
                 samples_per_insert=samples_per_insert, timeout=timeout, output=output,
-                ordered=ordered, pin_memory=pin_memory,
-                max_restarts_per_minute=max_restarts_per_minute, fields=fields,
-                transform_spec=transform_spec, plan=plan, sampler=sampler, alpha=alpha,
-                beta=beta, eps=eps, max_times_sampled=max_times_sampled, device=device,
-                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last)
+                ordered=ordered, pin_memory=pin_memory, fields=fields,
+                max_restarts_per_minute=max_restarts_per_minute, transform_spec=transform_spec,
+                plan=plan, sampler=sampler, alpha=alpha, beta=beta, eps=eps,
+                max_times_sampled=max_times_sampled, device=device, device_prefetch=device_prefetch,
+                plan_kwargs=plan_kwargs, drop_last=drop_last, carry_remainder=carry_remainder)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (
@@ -161,7 +162,7 @@ class SamplerPool:
         kind = selection_kind(cfg, compiled)
         if cfg.limit is not None or kind.rate_limits:
             self._limit.take(cfg)
-        self._selection = open_selection(kind, buf, cfg)
+        self._selection = open_selection(kind, buf, cfg, compiled)
         parts = PoolParts(buf, cfg, compiled, cfg.output_arrays(compiled), self._selection,
                           backend)
         delivery = self._delivery = (RingDelivery(parts, ctx) if cfg.n_workers

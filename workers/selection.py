@@ -14,8 +14,9 @@ before they draw.
 - ``QueueSelection``: every row delivered exactly once, oldest first per lane (lanes taken in
   turn). The lane word ``released`` tells writers which rows are safe to overwrite: they wait
   while a lane holds ``capacity`` rows not yet gathered (``Limiter.wait_for_insert``).
-- ``EpochSelection``: epochs over the rows held when each epoch begins, every row exactly once
-  per epoch in a seeded random order (offline RL, behaviour cloning).
+- ``EpochSelection``: epochs over the rows (or a plan's sequence or frame-stack starts) held
+  when each epoch begins, each exactly once per epoch in a seeded random order (offline RL,
+  behaviour cloning), the last batch of an epoch short, skipped or carried over.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from shmbuf import ReplayBuffer
 from shmbuf.errors import EmptyBufferError
 from shmbuf.layout import LANE_RELEASED
 from shmbuf.priority import PriorityTable
-from shmbuf.sampling import sumtree
+from shmbuf.sampling import Draw, sumtree
 
 from .config import PoolConfig
 
 # Rows a learner-side selection chose: (lanes, indices, probabilities or None, smallest
-# probability overall).
-Rows = tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
+# probability overall[, the batch's ``staging.INFO`` words]).
+Rows = (tuple[np.ndarray, np.ndarray, "np.ndarray | None", float]
+        | tuple[np.ndarray, np.ndarray, "np.ndarray | None", float, np.ndarray])
 SELECT_ROUNDS = 64  # draws CountedSelection makes for one batch before it gives up for now
 
 
@@ -52,6 +54,7 @@ class Selection:
     learner_selects: ClassVar[bool] = False
     prioritized = False  # takes new priorities (``update``)
     rate_limits: ClassVar[bool] = False  # paces writers itself: holds the buffer's limiter lock
+    tags_batches: ClassVar[bool] = False  # writes ``staging.INFO`` (epochs, short batches)
     table: PriorityTable | None = None
 
     @property
@@ -269,63 +272,94 @@ class QueueSelection(Selection):
 
 
 class EpochSelection(Selection):
-    """Epochs: each one a random permutation (from the pool's seeded selection rng) of the rows
-    the buffer holds when it begins, cut into batches; workers gather them in turn.
+    """Epochs: each one a random permutation (from the pool's seeded selection rng) of the
+    anchors the buffer holds when it begins (``ReplayBuffer.anchors``: every transition, or
+    with a sequence or frame-stack plan every start the plan may draw), cut into batches that
+    workers gather in turn. Each batch is tagged (``staging.INFO``) with its epoch, whether it
+    ends it, and its rows when fewer than ``batch_size``.
 
-    ``drop_last``: the ``N % batch_size`` rows an epoch cannot fill a batch with are skipped
-    (another random subset each epoch); else they open the next batch, followed by the next
-    epoch's first rows, so no row is left out (epochs then meet inside a batch: a staging slot
-    holds a whole batch). Rows overwritten before they were gathered are lost to that epoch.
+    The ``N % batch_size`` anchors an epoch ends with (``remainder``, from ``drop_last`` and
+    ``carry_remainder``): "short", a last batch of just those rows (PyTorch's
+    ``drop_last=False``; the slot is filled up with repeats that the ``Batch`` leaves out);
+    "drop", skipped (another random few each epoch); "carry", the first rows of the next batch,
+    filled up from the next epoch, so every batch is whole and none is left out (epochs then
+    meet inside a batch). Anchors of a batch found overwritten before it was gathered are
+    checked again and those still usable handed out again; the others are lost to the epoch.
     """
 
     learner_selects = True
+    tags_batches = True
 
-    def __init__(self, buf: ReplayBuffer, drop_last: bool = True) -> None:
-        self.buf, self.drop_last = buf, drop_last
-        self.lanes = np.zeros(0, np.int64)  # this epoch's rows, in delivery order
-        self.indices = np.zeros(0, np.int64)
-        self.cursor = 0  # rows of this epoch handed out so far
-        self.epoch = 0  # epochs begun
+    def __init__(self, buf: ReplayBuffer, compiled: Any, remainder: str = "drop") -> None:
+        self.buf, self.compiled, self.remainder = buf, compiled, remainder
+        self.steps = compiled.index_shape[0] if compiled.index_shape else 0  # sequence length
+        self.lanes = np.zeros(0, np.int64)  # this epoch's anchors, in delivery order
+        self.anchors = np.zeros(0, np.int64)
+        self.cursor = 0  # anchors of this epoch handed out so far
+        self.epoch = -1  # the epoch begun last (from 0)
 
-    def _begin_epoch(self, rng: np.random.Generator) -> bool:
-        """Permute the rows held now; False (nothing changed) if the buffer is empty."""
-        win = self.buf.windows()
-        sizes = win.hi - win.lo
-        total = int(sizes.sum())
-        if total == 0:
-            return False
-        lanes = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
-        first = np.repeat(win.lo - (np.cumsum(sizes) - sizes), sizes)  # index minus position
-        order = rng.permutation(total)
-        self.lanes, self.indices = lanes[order], (first + np.arange(total))[order]
+    def _begin_epoch(self, found: Draw, rng: np.random.Generator) -> int:
+        """Permute ``found`` (the anchors held now) into a new epoch; returns its size."""
+        order = rng.permutation(found.lanes.size)
+        self.lanes, self.anchors = found.lanes[order], found.indices[order]
         self.cursor, self.epoch = 0, self.epoch + 1
-        return True
+        return int(order.size)
 
-    def _take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _take(self, n: int) -> Draw:
         at, self.cursor = self.cursor, self.cursor + n
-        return self.lanes[at:self.cursor], self.indices[at:self.cursor]
+        return Draw(self.lanes[at:self.cursor], self.anchors[at:self.cursor])
 
     def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
-        left = self.lanes.size - self.cursor
+        left, mode = self.lanes.size - self.cursor, self.remainder
         if left >= batch_size:
-            lanes, indices = self._take(batch_size)
-            return lanes, indices, None, 0.0
-        held = int(self.buf.windows().sizes.sum())
-        enough = held >= batch_size if self.drop_last else held > 0
-        if not enough:
-            return None  # not a whole batch yet (nothing was spent)
-        carried = self._take(0 if self.drop_last else left)
-        while True:  # an epoch smaller than a batch (drop_last=False) is begun several times
-            if not self._begin_epoch(rng):
-                return None  # emptied meanwhile (clear())
-            need = batch_size - carried[0].size
-            if self.lanes.size >= need:
-                more = self._take(need)
+            after = left - batch_size
+            ends = after == 0 or (mode == "drop" and after < batch_size)
+            return self._rows(batch_size, [self._take(batch_size)], self.epoch, ends)
+        if left and mode == "short":
+            return self._rows(batch_size, [self._take(left)], self.epoch, True)
+        found = self.buf.anchors(self.compiled)
+        if found.lanes.size < (batch_size if mode == "drop" else 1):
+            return None  # not a batch's worth (drop_last) or nothing at all: nothing is spent
+        parts = [self._take(left)] if left and mode == "carry" else []  # else dropped
+        epoch, ends = (self.epoch, True) if parts else (self.epoch + 1, False)
+        have = left if parts else 0
+        while have < batch_size:  # in "carry" mode an epoch smaller than a batch is begun again
+            n = self._begin_epoch(found, rng)
+            take = min(batch_size - have, n)
+            parts.append(self._take(take))
+            have += take
+            ends = ends or take == n or (mode == "drop" and n - take < batch_size)
+            if mode != "carry":
                 break
-            carried = (np.concatenate([carried[0], self.lanes]),
-                       np.concatenate([carried[1], self.indices]))
-        return (np.concatenate([carried[0], more[0]]), np.concatenate([carried[1], more[1]]),
-                None, 0.0)
+        return self._rows(batch_size, parts, epoch, ends)
+
+    def _rows(self, batch_size: int, parts: list[Draw], epoch: int, ends: bool) -> Rows:
+        """The slot's rows: ``parts`` (filled up with repeats if fewer than ``batch_size``),
+        sequences as ``[B, T]`` indices, with the batch's ``INFO`` words."""
+        lanes = np.concatenate([p.lanes for p in parts])
+        anchors = np.concatenate([p.indices for p in parts])
+        n = lanes.size
+        if n < batch_size:
+            repeat = np.arange(batch_size) % n
+            lanes, anchors = lanes[repeat], anchors[repeat]
+        indices = anchors[:, None] + np.arange(self.steps) if self.steps else anchors
+        info = np.array([n if n < batch_size else 0, epoch + 1, int(ends)], np.int64)
+        return lanes, indices, None, 0.0, info
+
+    def stale(self, rows: Rows) -> None:
+        """Anchors of an ungathered batch were overwritten: if the batch is of the epoch being
+        handed out, those still usable go back to its front (so its last batch still ends it);
+        the others, and those of a batch of an earlier epoch, are lost to their epoch."""
+        assert len(rows) == 5  # this selection's rows carry their INFO words
+        n, epoch = int(rows[4][0]) or rows[0].size, int(rows[4][1]) - 1
+        if epoch != self.epoch:
+            return
+        anchors = rows[1][:n, 0] if self.steps else rows[1][:n]
+        still = self.buf.anchors(self.compiled, among=Draw(rows[0][:n], anchors))
+        rest = slice(self.cursor, None)
+        self.lanes = np.concatenate([still.lanes, self.lanes[rest]])
+        self.anchors = np.concatenate([still.indices, self.anchors[rest]])
+        self.cursor = 0
 
 
 SELECTIONS: dict[str, type[Selection]] = {
@@ -343,8 +377,8 @@ def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
         raise ValueError(f"sampler='epoch' delivers each transition once per epoch; drop "
                          f"max_times_sampled={k}")
     kind = CountedSelection if k is not None and name != "queue" else SELECTIONS[name]
-    if kind is UniformSelection:
-        return kind
+    if kind in (UniformSelection, EpochSelection):
+        return kind  # (epochs read any plan: ``ReplayBuffer.anchors``)
     if not compiled.plan.is_plain or compiled.derived_next_obs:
         raise ValueError(
             f"sampler={name!r} and max_times_sampled draw single stored transitions; "
@@ -360,14 +394,17 @@ def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
     return kind
 
 
-def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig) -> Selection:
-    """Create the selection ``selection_kind`` chose, with its priority table if it has one."""
+def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig,
+                   compiled: Any = None) -> Selection:
+    """Create the selection ``selection_kind`` chose, with its priority table if it has one.
+    ``compiled``: the pool's compiled plan (epochs hand out its starts)."""
     if kind is UniformSelection:
         return UniformSelection()
     if kind is QueueSelection:
         return QueueSelection(buf)
     if kind is EpochSelection:
-        return EpochSelection(buf, cfg.drop_last)
+        return EpochSelection(buf, compiled or buf.compile(cfg.plan, cfg.fields),
+                              cfg.epoch_remainder)
     table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
     try:
         if kind is PrioritizedSelection:

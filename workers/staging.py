@@ -45,6 +45,9 @@ CONTROL_LINES = 4
 # Arrays every slot carries besides the batch's fields.
 INDICES, LANES, WEIGHTS = "_indices", "_lanes", "_weights"
 PROBS, PMIN = "_probs", "_pmin"  # prioritized draws: probability of each row, smallest overall
+# Learner-chosen batches that say more (epochs): int64 [rows filled (0: all), epoch + 1 (0: no
+# epoch), 1 if the batch ends its epoch]; zero for every other batch.
+INFO = "_info"
 
 
 ArraySpec = tuple[str, tuple[int, ...], np.dtype]  # name, shape, dtype
@@ -58,18 +61,21 @@ def slot_arrays(fields: list[ArraySpec], batch_size: int,
     return [(name, (*rows, *shape), np.dtype(dtype)) for name, shape, dtype in fields] + [
         (INDICES, (*rows, *index_shape), np.dtype(np.int64)), (LANES, rows, np.dtype(np.int64)),
         (WEIGHTS, rows, np.dtype(np.float32)), (PROBS, rows, np.dtype(np.float64)),
-        (PMIN, (1,), np.dtype(np.float64)),
+        (PMIN, (1,), np.dtype(np.float64)), (INFO, (3,), np.dtype(np.int64)),
     ]
 
 
 def write_rows(arrays: dict[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
-               probs: np.ndarray | None, pmin: float) -> None:
+               probs: np.ndarray | None, pmin: float, info: np.ndarray | None = None) -> None:
     """Record in a slot's arrays which rows its batch holds (and their probabilities, for
-    importance weights, when they were drawn in proportion to priorities)."""
+    importance weights, when they were drawn in proportion to priorities; ``INFO`` when
+    given)."""
     arrays[INDICES][...] = indices
     arrays[LANES][...] = lanes
     if probs is not None:
         arrays[PROBS][...], arrays[PMIN][0] = probs, pmin
+    if info is not None:
+        arrays[INFO][...] = info
 
 
 @dataclass(frozen=True)

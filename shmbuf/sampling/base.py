@@ -45,3 +45,11 @@ def lane_of(windows: Windows, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lanes = np.searchsorted(ends, u, side="right")
     indices = u - (ends[lanes] - sizes[lanes]) + windows.lo[lanes]
     return lanes, indices
+
+
+def every_index(windows: Windows) -> Draw:
+    """Every (lane, index) the windows hold, once: lanes in order, indices ascending."""
+    sizes = windows.sizes
+    lanes = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+    first = np.repeat(windows.lo - (np.cumsum(sizes) - sizes), sizes)  # index minus position
+    return Draw(lanes, first + np.arange(lanes.size, dtype=np.int64))
