@@ -5,7 +5,7 @@ and custom draws, compiled plans, rows by logical index, and the caches those re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -14,7 +14,7 @@ from . import layout as L
 from . import slots
 from ._recycle import Recycler
 from .errors import SamplingError, SpecMismatchError, StaleIndexError
-from .sampling import Draw, Windows, draw_uniform
+from .sampling import Draw, Sampler, Windows, draw_uniform
 from .sampling.plan import Compiled, Plan, compile_plan
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ RECYCLE_KEEP = 4  # ... keeping up to this many per (field, batch size)
 MAX_RETRIES = 64  # redraw rounds for rows that fail their seqlock check before SamplingError
 
 RngLike = np.random.Generator | int | None
-Sampler = Callable[[Windows, int, np.random.Generator], Draw]
 
 
 class BatchReader:
@@ -111,7 +110,8 @@ class BatchReader:
         if plan is not None and not (plan.plan.is_plain and not plan.derived_next_obs):
             # (read_into writes into out's arrays; it never adds or replaces an entry)
             return self._reader(plan).read_into(cast("dict[str, np.ndarray]", out), rng,
-                                                max_retries)
+                                                max_retries,
+                                                None if sampler is draw_uniform else sampler)
         batch = next(iter(out.values())).shape[0]
         if sampler is draw_uniform and self._lanes == 1:
             draw = self._draw_uniform_one_lane(batch, rng)

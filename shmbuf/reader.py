@@ -24,7 +24,7 @@ import numpy as np
 
 from . import layout
 from .errors import SamplingError
-from .sampling import Draw, Windows, draw_uniform
+from .sampling import Draw, Sampler, Windows, draw_uniform
 from .sampling.framestack import stack_mask, stack_offsets
 from .sampling.nstep import nstep_discount, nstep_extent, nstep_return
 from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled
@@ -65,6 +65,7 @@ class _Selection:
     masks: dict[str, np.ndarray]  # output masks
     end: np.ndarray  # [n] offset of the transition's last step (n-step), else 0
     nstep: _NStepRead | None = None  # n-step plans only
+    probs: np.ndarray | None = None  # [n] draw probabilities (prioritized anchors only)
     # fill's per-batch slot matrices (by offsets) and padding positions (by mask name)
     slot_cache: dict[tuple[bytes, bool], np.ndarray] = field(default_factory=dict)
     pad_cache: dict[str, np.ndarray | None] = field(default_factory=dict)
@@ -74,6 +75,7 @@ class _Selection:
             self.lanes[keep], self.anchors[keep], self.slots[keep], self.held[keep],
             self.before[keep], {k: v[keep] for k, v in self.masks.items()}, self.end[keep],
             None if self.nstep is None else self.nstep.take(keep),
+            None if self.probs is None else self.probs[keep],
         )
 
     @staticmethod
@@ -87,7 +89,8 @@ class _Selection:
         if first.nstep is not None:
             nstep = _NStepRead.concat([p.nstep for p in parts if p.nstep is not None])
         return _Selection(cat("lanes"), cat("anchors"), cat("slots"), cat("held"), cat("before"),
-                          masks, cat("end"), nstep)
+                          masks, cat("end"), nstep,
+                          None if first.probs is None else cat("probs"))
 
 
 class PlanReader:
@@ -127,6 +130,17 @@ class PlanReader:
 
     # -- selection ---------------------------------------------------------------------------------
     def _probe(self, draw: Draw, windows: Windows, want: int) -> _Selection:
+        """The first ``want`` usable anchors of ``draw``, with what their probe read."""
+        sel, usable = self._judge(draw, windows)
+        return sel.take(np.flatnonzero(usable)[:want])
+
+    def usable_anchors(self, lanes: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+        """bool [n]: which anchors a batch could be read at now, by the very checks a draw's
+        anchors pass (``PriorityTable`` for windows enters a start's priority by this)."""
+        return self._judge(Draw(lanes, anchors), self.storage.windows())[1]
+
+    def _judge(self, draw: Draw, windows: Windows) -> tuple[_Selection, np.ndarray]:
+        """Probe every anchor of ``draw``: (what was read for each, which are usable)."""
         storage, capacity = self.storage, self.storage.capacity
         plan = self.compiled.plan
         anchors = draw.indices
@@ -157,8 +171,9 @@ class PlanReader:
             if self.needs_next:
                 valid &= same[:, j0 + 1 : j0 + 1 + length]
             window_ok, masks[MASK] = sequence_masks(valid, plan.cross_episodes)
-            sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end)
-            return sel.take(np.flatnonzero(usable & window_ok)[:want])
+            sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end,
+                             probs=draw.probs)
+            return sel, usable & window_ok
         nstep = None
         if self.n_step > 1:
             columns = storage.columns
@@ -192,18 +207,27 @@ class PlanReader:
                 usable &= next_ok
                 masks[f"{plan.next_obs_field}_mask"] = np.concatenate(
                     [next_valid, np.ones((n, 1), bool)], axis=1)
-        sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep)
-        return sel.take(np.flatnonzero(usable)[:want])
+        sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep, draw.probs)
+        return sel, usable
 
-    def _select(self, count: int, rng: np.random.Generator, max_rounds: int) -> _Selection:
+    def _select(self, count: int, rng: np.random.Generator, max_rounds: int,
+                sampler: Sampler | None = None) -> tuple[_Selection, float]:
+        """``count`` usable anchors, drawn uniformly, or by ``sampler`` over the windows of
+        anchors (each lane's newest ``tail_rows`` left out) when one is given; and the smallest
+        probability its draws reported (inf for uniform draws)."""
         parts: list[_Selection] = []
         have = 0
+        pmin = np.inf
         for _ in range(max_rounds):
             windows = self.storage.windows()
             want = count - have
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
             lo, hi = int(windows.lo[0]), int(windows.hi[0]) - self.tail_rows
-            if self.storage.lanes == 1 and hi > lo:
+            if sampler is not None:  # (its own rejects are rare: no extra draws)
+                draw = sampler(Windows(windows.lo, np.maximum(windows.hi - self.tail_rows,
+                                                              windows.lo)), want, rng)
+                pmin = min(pmin, draw.pmin)
+            elif self.storage.lanes == 1 and hi > lo:
                 positions = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
                 positions += lo
                 draw = Draw(np.zeros(positions.size, np.int64), positions)
@@ -217,7 +241,7 @@ class PlanReader:
                 have += len(sel.anchors)
             if have >= count:
                 sel = _Selection.concat(parts) if len(parts) > 1 else parts[0]
-                return sel  # every part holds at most the rows still wanted
+                return sel, pmin  # every part holds at most the rows still wanted
         raise SamplingError(
             f"found only {have} of {count} usable rows in {max_rounds} rounds of draws: "
             f"{self._why()}"
@@ -338,16 +362,19 @@ class PlanReader:
 
     # -- entry point -------------------------------------------------------------------------------
     def read_into(self, out: dict[str, np.ndarray], rng: np.random.Generator,
-                  max_retries: int) -> Draw:
+                  max_retries: int, sampler: Sampler | None = None) -> Draw:
         """Fill ``out`` (every output of the plan, ``batch_size`` rows); return the rows
-        delivered."""
+        delivered. Anchors are drawn uniformly, or by ``sampler`` (e.g. ``PriorityTable.draw``:
+        the Draw returned then carries their probabilities)."""
         batch_size = next(iter(out.values())).shape[0]
         lanes = np.empty(batch_size, np.int64)
         anchors = np.empty(batch_size, np.int64)
+        probs = np.empty(batch_size, np.float64) if sampler is not None else None
+        pmin = np.inf
         todo = np.arange(batch_size)
         target = out
         for _ in range(max_retries):
-            sel = self._select(todo.size, rng, max_retries)
+            sel, drawn_pmin = self._select(todo.size, rng, max_retries, sampler)
             self.fill(sel, target)
             stable = self._stable(sel)
             if target is not out:
@@ -355,11 +382,15 @@ class PlanReader:
                     out[name][todo[stable]] = arr[stable]
             lanes[todo[stable]] = sel.lanes[stable]
             anchors[todo[stable]] = sel.anchors[stable]
+            if probs is not None and sel.probs is not None:
+                probs[todo[stable]] = sel.probs[stable]
+                pmin = min(pmin, drawn_pmin)
             todo = todo[~stable]
             if not todo.size:
                 if self.sequence_length > 1:
-                    return Draw(lanes, anchors[:, None] + np.arange(self.sequence_length))
-                return Draw(lanes, anchors)
+                    return Draw(lanes, anchors[:, None] + np.arange(self.sequence_length), probs,
+                                0.0 if probs is None else pmin)
+                return Draw(lanes, anchors, probs, 0.0 if probs is None else pmin)
             target = self.compiled.allocate(todo.size)
         raise SamplingError(
             f"{todo.size} of {batch_size} rows kept being overwritten while read, {max_retries} "

@@ -18,6 +18,7 @@ from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
+from shmbuf.window_priority import R2D2_ETA, checked_eta
 
 OUTPUTS = ("numpy", "torch", "jax")
 SELECTIONS = ("uniform", "prioritized", "queue", "epoch")  # the ``sampler=`` keyword's values
@@ -56,6 +57,7 @@ class PoolConfig:
     device: Any
     device_prefetch: int
     drop_last: bool = True  # sampler="epoch": skip an epoch's rows short of a whole batch
+    priority_eta: float = R2D2_ETA  # prioritized sequences: eta * max + (1 - eta) * mean
 
     @classmethod
     def from_args(cls, *, batch_size: int, n_workers: int | None, n_staging: int | None,
@@ -65,7 +67,7 @@ class PoolConfig:
                   transform_spec: dict[str, Any] | None, plan: Plan | None, sampler: str,
                   alpha: float, beta: Any, eps: float, max_times_sampled: int | None,
                   device: Any, device_prefetch: int, plan_kwargs: dict[str, Any],
-                  drop_last: bool = True) -> PoolConfig:
+                  drop_last: bool = True, priority_eta: float = R2D2_ETA) -> PoolConfig:
         """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
         if device is not None:
@@ -105,6 +107,7 @@ class PoolConfig:
                                   or times < 1):
             raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
         beta_at = beta_schedule(beta)
+        eta = checked_eta(priority_eta)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         _check_picklable(transform)  # serialised here: an unpicklable one fails at the call site
@@ -117,7 +120,7 @@ class PoolConfig:
             pin_memory=pin_memory,
             max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
             beta=beta_at, eps=eps, max_times_sampled=times, device=device,
-            device_prefetch=device_prefetch, drop_last=bool(drop_last),
+            device_prefetch=device_prefetch, drop_last=bool(drop_last), priority_eta=eta,
         )
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:

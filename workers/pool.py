@@ -82,9 +82,12 @@ class SamplerPool:
         alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
+        priority_eta: prioritized plans (e.g. ``sequence_length=T``, one priority per window
+            start): ``update_priorities`` with ``[B, T]`` priorities sets each window's to
+            ``eta * max + (1 - eta) * mean`` over its steps (R2D2: 0.9); ``[B]`` ones are kept.
         max_times_sampled: retire a transition after it was delivered this many times.
         plan / sequence_length / frame_stack / n_step / ...: episode-aware batches, see
-            ``shmbuf.sampling.Plan`` (uniform sampling only).
+            ``shmbuf.sampling.Plan`` (uniform or prioritized sampling).
 
     Concurrency: the learner (this process) owns the staging segment and assigns each slot to
     one worker at a time; the worker writes the slot and then announces it; only then does the
@@ -123,7 +126,7 @@ class SamplerPool:
         eps: float = 1e-6,
         max_times_sampled: int | None = None,
         device: Any = None,
-        device_prefetch: int = 2, drop_last: bool = True,
+        device_prefetch: int = 2, drop_last: bool = True, priority_eta: float = 0.9,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -141,7 +144,8 @@ class SamplerPool:
                 max_restarts_per_minute=max_restarts_per_minute, fields=fields,
                 transform_spec=transform_spec, plan=plan, sampler=sampler, alpha=alpha,
                 beta=beta, eps=eps, max_times_sampled=max_times_sampled, device=device,
-                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last)
+                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last,
+                priority_eta=priority_eta)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (

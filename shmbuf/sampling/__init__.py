@@ -5,7 +5,7 @@ returns which (lane, logical index) pairs to read. The buffer does the reading a
 checks; strategies never touch memory, so they are tested on plain arrays.
 """
 
-from .base import Draw, Windows
+from .base import Draw, Sampler, Windows
 from .uniform import draw_uniform
 
-__all__ = ["Draw", "Windows", "draw_uniform"]
+__all__ = ["Draw", "Sampler", "Windows", "draw_uniform"]
