@@ -62,6 +62,7 @@ class WindowPriorityTable(PriorityTable):
     lag = 0  # newest rows a start's window may read after it
     eta = R2D2_ETA
     judged: np.ndarray  # per lane: every start below it has its value (learner side)
+    usable: np.ndarray  # per slot: whether its start was judged usable (learner side)
 
     @classmethod
     def create_for(cls, buf: ReplayBuffer, compiled: Compiled, alpha: float = 0.6,
@@ -73,12 +74,19 @@ class WindowPriorityTable(PriorityTable):
         table.lag = max(0, int(table.reader.offsets[-1]))
         table.eta = eta
         table.judged = table.synced.copy()  # per lane: starts below it have their values
+        # per slot: the start there was judged usable (learner side; updates keep others at 0)
+        table.usable = np.zeros(buf.lanes * buf.capacity, bool)
         return table
 
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
         """Enter new rows as starts at zero, then value every start whose window is written:
         the maximum priority (``initial`` if given) where a batch can be read at it, else 0."""
+        before = self.synced.copy()
         entered = super().sync(buf, 0.0)
+        for lane in np.flatnonzero(self.synced > before):  # new starts: not judged yet
+            first = max(int(before[lane]), int(self.synced[lane]) - self.capacity)
+            self.usable[lane * self.capacity
+                        + np.arange(first, int(self.synced[lane])) % self.capacity] = False
         ready = self.synced - self.lag  # starts whose every probe row is committed
         lanes = np.flatnonzero(ready > self.judged)
         if not lanes.size:
@@ -90,6 +98,7 @@ class WindowPriorityTable(PriorityTable):
             for at in range(first, int(ready[lane]), chunk):
                 starts = np.arange(at, min(at + chunk, int(ready[lane])), dtype=np.int64)
                 usable = self.reader.usable_anchors(np.full(starts.size, lane), starts)
+                self.usable[lane * self.capacity + starts % self.capacity] = usable
                 self._fill_starts(int(lane), at, np.where(usable, value, 0.0))
         self.judged[lanes] = ready[lanes]
         return entered
@@ -129,7 +138,14 @@ class WindowPriorityTable(PriorityTable):
                     f"([{index.size}, {length}])")
             self._check_steps(lanes, index, values)
             values = reduce_windows(values, self.eta)
-        return super().update(lanes, index, values)
+        applied = super().update(lanes, index, values)
+        # A start no batch can be read at (e.g. its window crosses an episode end) stays at 0.
+        lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape)
+        slots = lane * self.capacity + index % self.capacity
+        unusable = ~self.usable[slots] & (self.gen[slots] == index)
+        if unusable.any():
+            self.retire(lane[unusable], index[unusable])
+        return applied - int(unusable.sum())
 
     def _check_steps(self, lanes: Any, starts: np.ndarray, values: np.ndarray) -> None:
         """Per-step priorities must be finite and >= 0 (a negative one could hide in a max)."""

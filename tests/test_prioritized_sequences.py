@@ -151,6 +151,10 @@ def test_starts_enter_once_their_window_is_written_and_only_if_it_is_valid():
             assert table.leaf_values(np.zeros(4, np.int64), np.arange(39, 43)).tolist() == [
                 1.0, 1.0, 1.0, 0.0]
             assert table.total() == expected.sum() + 3
+            # an update for a start no batch can be read at leaves it at zero
+            invalid = np.array([10, 11, 12, 42])
+            assert table.update(np.zeros(4, np.int64), invalid, np.full(4, 7.0)) == 0
+            assert (table.leaf_values(np.zeros(4, np.int64), invalid) == 0).all()
         finally:
             table.close()
 
