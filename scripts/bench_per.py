@@ -238,7 +238,7 @@ def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
     with episodes(rows) as buf:
         for length in (16, 80):
             td = [np.abs(np.random.default_rng(k).standard_normal((SEQ_B, length)))
-                  for k in range(8)]
+                  for k in range(TD_POOL)]
             with SamplerPool(buf, n_workers=0, batch_size=SEQ_B, seed=0, timeout=60,
                              sampler="prioritized", alpha=ALPHA, beta=BETA,
                              sequence_length=length) as per, \
@@ -247,14 +247,7 @@ def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 per.next()
                 first = time.perf_counter() - t0
-                k = [0]
-
-                def step(pool: SamplerPool = per, td: list[np.ndarray] = td) -> None:
-                    batch = pool.next()
-                    pool.update_priorities(batch.indices, td[k[0] % len(td)])
-                    k[0] += 1
-
-                cases = [TimedCase("prioritized", benchlib.loop_runner(step)),
+                cases = [TimedCase("prioritized", benchlib.loop_runner(learner_step(per, td))),
                          TimedCase("uniform", benchlib.loop_runner(uniform.next))]
                 benchlib.run_rounds([cases], rounds, seconds, f"sequences T={length}")
                 stat, p = proportional_p(per, 40_000)

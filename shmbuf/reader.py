@@ -129,11 +129,6 @@ class PlanReader:
                 ("truncated",) if "truncated" in storage.spec else ())
 
     # -- selection ---------------------------------------------------------------------------------
-    def _probe(self, draw: Draw, windows: Windows, want: int) -> _Selection:
-        """The first ``want`` usable anchors of ``draw``, with what their probe read."""
-        sel, usable = self._judge(draw, windows)
-        return sel.take(np.flatnonzero(usable)[:want])
-
     def usable_anchors(self, lanes: np.ndarray, anchors: np.ndarray) -> np.ndarray:
         """bool [n]: which anchors a batch could be read at now, by the very checks a draw's
         anchors pass (``PriorityTable`` for windows enters a start's priority by this)."""
@@ -212,8 +207,7 @@ class PlanReader:
 
     def _select(self, count: int, rng: np.random.Generator, max_rounds: int,
                 sampler: Sampler | None = None) -> tuple[_Selection, float]:
-        """``count`` usable anchors, drawn uniformly, or by ``sampler`` over the windows of
-        anchors (each lane's newest ``tail_rows`` left out) when one is given; and the smallest
+        """``count`` usable anchors drawn uniformly or by ``sampler``; and the smallest
         probability its draws reported (inf for uniform draws)."""
         parts: list[_Selection] = []
         have = 0
@@ -224,8 +218,8 @@ class PlanReader:
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
             lo, hi = int(windows.lo[0]), int(windows.hi[0]) - self.tail_rows
             if sampler is not None:  # (its own rejects are rare: no extra draws)
-                draw = sampler(Windows(windows.lo, np.maximum(windows.hi - self.tail_rows,
-                                                              windows.lo)), want, rng)
+                anchor_hi = np.maximum(windows.hi - self.tail_rows, windows.lo)
+                draw = sampler(Windows(windows.lo, anchor_hi), want, rng)
                 pmin = min(pmin, draw.pmin)
             elif self.storage.lanes == 1 and hi > lo:
                 positions = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
@@ -235,7 +229,8 @@ class PlanReader:
                 anchor_windows = Windows(windows.lo,
                                          np.maximum(windows.hi - self.tail_rows, windows.lo))
                 draw = draw_uniform(anchor_windows, want + want // 4 + 4, rng)
-            sel = self._probe(draw, windows, want)
+            sel, usable = self._judge(draw, windows)
+            sel = sel.take(np.flatnonzero(usable)[:want])  # the first usable anchors
             if len(sel.anchors):
                 parts.append(sel)
                 have += len(sel.anchors)

@@ -70,6 +70,7 @@ class WindowPriorityTable(PriorityTable):
         """A table of ``compiled``'s window starts of ``buf``, for its learner (the writer)."""
         eta = checked_eta(eta)
         table = cls.create(buf, alpha, eps)
+        assert isinstance(table, cls)  # ``create`` makes a ``cls``
         table.reader = PlanReader(buf.storage, compiled)
         table.lag = max(0, int(table.reader.offsets[-1]))
         table.eta = eta

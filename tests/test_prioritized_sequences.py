@@ -302,3 +302,27 @@ def test_frame_stacks_draw_one_priority_per_stacked_step():
                 np.testing.assert_array_equal(mask, valid)
                 np.testing.assert_array_equal(stack, np.where(valid, frames, 0))
     assert chi_square_p(counts, (1.0 + (steps % 2) * 9) / (1.0 + (steps % 2) * 9).sum()) > 1e-3
+
+
+def test_n_step_with_derived_next_obs_is_prioritized_too():
+    """n-step returns over a buffer that derives next_obs: rows are drawn from the table (the
+    newest step waits for its next observation), [B] priorities apply, weights follow them."""
+    spec = shmbuf.Spec(obs=((2,), "float32"), reward=((), "float32"),
+                       terminated=((), "bool"))
+    with shmbuf.ReplayBuffer.create(spec, capacity=128, lanes=1, next_obs="derived") as buf:
+        with buf.writer(lane=0, timeout=5) as w:
+            for step in range(60):
+                last = step % 20 == 19
+                w.add(obs=np.full(2, step, np.float32), reward=1.0, terminated=last,
+                      next_obs=np.full(2, -1 if last else step + 1, np.float32))
+                if last:
+                    w.end_episode()
+        with _pool(buf, sequence_length=1, n_step=3, gamma=0.5, beta=1.0) as pool:
+            batch = pool.next()
+            steps = np.asarray(batch["obs"])[:, 0].astype(np.int64)
+            np.testing.assert_array_equal(np.asarray(batch["reward"]),
+                                          np.where(steps % 20 <= 17, 1.75,
+                                                   np.where(steps % 20 == 18, 1.5, 1.0)))
+            assert pool.update_priorities(batch.indices, np.full(32, 4.0)) == 32
+            batch = pool.next()
+            assert np.asarray(batch.weights).min() > 0

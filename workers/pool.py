@@ -79,15 +79,12 @@ class SamplerPool:
             weights; ``update_priorities`` sets new ones); or "queue" (every transition
             delivered exactly once, oldest first, writers waiting while the queue is full); or
             "epoch" (each held transition once per epoch; ``drop_last``: ``EpochSelection``).
-        alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
+        alpha, eps: priorities are stored as ``(p + eps) ** alpha``. priority_eta: sequences'
+            ``[B, T]`` priorities become ``eta * max + (1 - eta) * mean`` per window (R2D2).
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
-        priority_eta: prioritized plans (e.g. ``sequence_length=T``, one priority per window
-            start): ``update_priorities`` with ``[B, T]`` priorities sets each window's to
-            ``eta * max + (1 - eta) * mean`` over its steps (R2D2: 0.9); ``[B]`` ones are kept.
         max_times_sampled: retire a transition after it was delivered this many times.
-        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches, see
-            ``shmbuf.sampling.Plan`` (uniform or prioritized sampling).
+        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches (``Plan``).
 
     Concurrency: the learner (this process) owns the staging segment and assigns each slot to
     one worker at a time; the worker writes the slot and then announces it; only then does the
@@ -140,12 +137,11 @@ class SamplerPool:
                 batch_size=batch_size, n_workers=n_workers, n_staging=n_staging, seed=seed,
                 start_method=start_method, transform=transform, min_size=min_size,
                 samples_per_insert=samples_per_insert, timeout=timeout, output=output,
-                ordered=ordered, pin_memory=pin_memory,
+                ordered=ordered, pin_memory=pin_memory, priority_eta=priority_eta,
                 max_restarts_per_minute=max_restarts_per_minute, fields=fields,
                 transform_spec=transform_spec, plan=plan, sampler=sampler, alpha=alpha,
                 beta=beta, eps=eps, max_times_sampled=max_times_sampled, device=device,
-                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last,
-                priority_eta=priority_eta)
+                device_prefetch=device_prefetch, plan_kwargs=plan_kwargs, drop_last=drop_last)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (
