@@ -11,12 +11,12 @@ import numpy as np
 
 from .errors import InvalidPriorityError
 from .priority import PriorityTable
-from .reader import PlanReader
 from .sampling import sumtree
-from .sampling.plan import Compiled
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
+    from .reader import PlanReader
+    from .sampling.plan import Compiled
 
 R2D2_ETA = 0.9  # R2D2's mix of a window's largest and mean priority
 JUDGE_CELLS = 1 << 20  # starts judged together x probe rows per start: bounds sync's memory
@@ -69,6 +69,8 @@ class WindowPriorityTable(PriorityTable):
                    eps: float = 1e-6, eta: float = R2D2_ETA) -> WindowPriorityTable:
         """A table of ``compiled``'s window starts of ``buf``, for its learner (the writer)."""
         eta = checked_eta(eta)
+        from .reader import PlanReader  # (as BatchReader does: only where plans are read)
+
         table = cls.create(buf, alpha, eps)
         assert isinstance(table, cls)  # ``create`` makes a ``cls``
         table.reader = PlanReader(buf.storage, compiled)
