@@ -266,6 +266,11 @@ def test_writers_lapping_during_sampling_never_make_it_raise(start_method, n_wor
              _pool(buf, n_workers=n_workers, start_method=start_method,
                    sequence_length=8) as pool:
             start = buf.committed().copy()
+            deadline = time.monotonic() + 60  # actors start slowly under spawn on a busy host
+            while (buf.committed() - start < 256).any():
+                assert time.monotonic() < deadline, "writers did not start"
+                group.poll()
+                time.sleep(0.01)
             rng = np.random.default_rng(0)
             applied = sent = batches = 0
             t_end = time.monotonic() + 2.0
