@@ -198,6 +198,66 @@ def under_load(rows: int, seconds: float) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# Sequences (R2D2)
+# ------------------------------------------------------------------------------------------------
+SEQ_B, EPISODE_STEPS, CLASSES = 64, 400, 5  # windows per batch, steps per episode, priority bins
+
+
+def episodes(rows: int) -> ReplayBuffer:
+    """One lane of ``rows`` rows, an episode ending every ``EPISODE_STEPS`` steps."""
+    buf = ReplayBuffer.create(SPEC, capacity=rows, lanes=1)
+    chunk = benchlib.random_rows(SPEC, EPISODE_STEPS, np.random.default_rng(0))
+    with buf.writer(lane=0) as w:
+        for _ in range(rows // EPISODE_STEPS):
+            w.extend(chunk)
+            w.end_episode()
+    return buf
+
+
+def proportional_p(pool: SamplerPool, draws: int) -> tuple[float, float]:
+    """Chi-square check of the draws: every valid start gets priority ``1 + start % CLASSES``;
+    windows drawn are counted per class against ``count_c * (1 + c) ** alpha``. Returns (the
+    statistic, its p-value; df = CLASSES - 1 = 4: P(X >= x) = exp(-x/2) (1 + x/2))."""
+    table = pool._table
+    assert table is not None
+    held = np.arange(table.capacity)
+    valid = held[table.leaf_values(np.zeros(held.size, np.int64), held) > 0]
+    pool.update_priorities(valid, 1.0 + valid % CLASSES, lanes=0)
+    counts = np.zeros(CLASSES)
+    for _ in range(-(-draws // SEQ_B)):
+        np.add.at(counts, np.asarray(pool.next().indices)[:, 0] % CLASSES, 1)
+    share = np.bincount(valid % CLASSES, minlength=CLASSES) * (1.0 + np.arange(CLASSES)) ** ALPHA
+    expected = counts.sum() * share / share.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    return stat, float(np.exp(-stat / 2) * (1 + stat / 2))
+
+
+def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with episodes(rows) as buf:
+        for length in (16, 80):
+            td = [np.abs(np.random.default_rng(k).standard_normal((SEQ_B, length)))
+                  for k in range(TD_POOL)]
+            with SamplerPool(buf, n_workers=0, batch_size=SEQ_B, seed=0, timeout=60,
+                             sampler="prioritized", alpha=ALPHA, beta=BETA,
+                             sequence_length=length) as per, \
+                 SamplerPool(buf, n_workers=0, batch_size=SEQ_B, seed=0, timeout=60,
+                             sequence_length=length) as uniform:
+                t0 = time.perf_counter()
+                per.next()
+                first = time.perf_counter() - t0
+                cases = [TimedCase("prioritized", benchlib.loop_runner(learner_step(per, td))),
+                         TimedCase("uniform", benchlib.loop_runner(uniform.next))]
+                benchlib.run_rounds([cases], rounds, seconds, f"sequences T={length}")
+                stat, p = proportional_p(per, 40_000)
+            out[str(length)] = {
+                "prioritized_batches_per_s": statistics.median(cases[0].rates),
+                "uniform_batches_per_s": statistics.median(cases[1].rates),
+                "first_batch_s": first, "chi2": stat, "chi2_p": p}
+    return out
+
+
 def report(res: dict[str, Any]) -> None:
     q = res["quiet"]
     print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32: shmbuf "
@@ -218,6 +278,14 @@ def report(res: dict[str, Any]) -> None:
               f"{r['writer_rows_per_s']:,.0f} rows/s ({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
               f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
               + (f"  RAISED {r['raised']}" if r["raised"] else ""))
+    for length, r in res.get("sequences", {}).items():
+        print(f"sequences T={length}, B={SEQ_B}, {res['rows']} rows: prioritized sample + [B, T] "
+              f"update {r['prioritized_batches_per_s']:.0f} batches/s, uniform "
+              f"{r['uniform_batches_per_s']:.0f} "
+              f"({r['prioritized_batches_per_s'] / r['uniform_batches_per_s']:.2f}x); first "
+              f"batch {r['first_batch_s'] * 1e3:.0f} ms; chi-square of 40k windows over "
+              f"{CLASSES} priority classes {r['chi2']:.2f}, p = {r['chi2_p']:.3f} "
+              f"({'proportional' if r['chi2_p'] > 1e-3 else 'NOT proportional'})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--skip", default="", help="comma list of quiet,scale,load to skip")
+    p.add_argument("--skip", default="",
+                   help="comma list of quiet,scale,load,sequences to skip")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     seconds = args.seconds or (0.5 if args.quick else 2.0)
@@ -241,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     res["scale"] = scale(sizes, seconds) if "scale" not in skip else {}
     res["load"] = under_load(args.rows, max(seconds, 2.0)) if "load" not in skip else {
         "quiet": 1.0}
+    if "sequences" not in skip:
+        res["sequences"] = sequences(args.rows, args.rounds, seconds)
     report(res)
     if args.json:
         with open(args.json, "w") as f:

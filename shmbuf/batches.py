@@ -6,7 +6,7 @@ and the caches those reads keep.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -15,19 +15,19 @@ from . import layout as L
 from . import slots
 from ._recycle import Recycler
 from .errors import SamplingError, SpecMismatchError, StaleIndexError
-from .sampling import Draw, Windows, draw_uniform, every_index
+from .sampling import Draw, Sampler, Windows, draw_uniform, every_index
 from .sampling.plan import Compiled, Plan, compile_plan
 
 if TYPE_CHECKING:
     from .reader import PlanReader
     from .storage import BufferStorage
 
+ANCHOR_CHUNK = 1 << 16  # plan starts ``anchors`` judges at once (bounds its memory)
 RECYCLE_MIN_BYTES = 64 * 1024  # sample() recycles output arrays at least this large ...
 RECYCLE_KEEP = 4  # ... keeping up to this many per (field, batch size)
 MAX_RETRIES = 64  # redraw rounds for rows that fail their seqlock check before SamplingError
 
 RngLike = np.random.Generator | int | None
-Sampler = Callable[[Windows, int, np.random.Generator], Draw]
 
 
 class BatchReader:
@@ -112,7 +112,8 @@ class BatchReader:
         if plan is not None and not (plan.plan.is_plain and not plan.derived_next_obs):
             # (read_into writes into out's arrays; it never adds or replaces an entry)
             return self._reader(plan).read_into(cast("dict[str, np.ndarray]", out), rng,
-                                                max_retries)
+                                                max_retries,
+                                                None if sampler is draw_uniform else sampler)
         batch = next(iter(out.values())).shape[0]
         if sampler is draw_uniform and self._lanes == 1:
             draw = self._draw_uniform_one_lane(batch, rng)
@@ -151,7 +152,14 @@ class BatchReader:
         """``ReplayBuffer.anchors``: where batches of ``plan`` may start now."""
         if not self._reads_plain(plan):
             assert plan is not None
-            return self._reader(plan).usable_anchors(among)
+            reader = self._reader(plan)
+            if among is None:
+                among = every_index(reader.anchor_windows(self._storage.windows()))
+            keep = np.concatenate([np.zeros(0, bool)] + [  # a probe is [chunk, plan rows] big
+                reader.can_read_at(among.lanes[at : at + ANCHOR_CHUNK],
+                                   among.indices[at : at + ANCHOR_CHUNK])
+                for at in range(0, among.lanes.size, ANCHOR_CHUNK)])
+            return Draw(among.lanes[keep], among.indices[keep])
         win = self._storage.windows()
         if among is None:
             return every_index(win)

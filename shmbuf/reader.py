@@ -24,17 +24,15 @@ import numpy as np
 
 from . import layout
 from .errors import SamplingError
-from .sampling import Draw, Windows, draw_uniform, every_index
+from .sampling import Draw, Sampler, Windows, draw_uniform
 from .sampling.framestack import stack_mask, stack_offsets
 from .sampling.nstep import nstep_discount, nstep_extent, nstep_return
-from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled
+from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled, Plan
 from .sampling.sequence import sequence_masks, strict_tail
 from .slots import held_stamps, load_stamps, overwritten_since, reload_stamps
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
-
-ANCHOR_CHUNK = 1 << 16  # anchors probed at once by ``usable_anchors`` (bounds its memory)
 
 
 @dataclass
@@ -67,6 +65,7 @@ class _Selection:
     masks: dict[str, np.ndarray]  # output masks
     end: np.ndarray  # [n] offset of the transition's last step (n-step), else 0
     nstep: _NStepRead | None = None  # n-step plans only
+    probs: np.ndarray | None = None  # [n] draw probabilities (prioritized anchors only)
     # fill's per-batch slot matrices (by offsets) and padding positions (by mask name)
     slot_cache: dict[tuple[bytes, bool], np.ndarray] = field(default_factory=dict)
     pad_cache: dict[str, np.ndarray | None] = field(default_factory=dict)
@@ -76,6 +75,7 @@ class _Selection:
             self.lanes[keep], self.anchors[keep], self.slots[keep], self.held[keep],
             self.before[keep], {k: v[keep] for k, v in self.masks.items()}, self.end[keep],
             None if self.nstep is None else self.nstep.take(keep),
+            None if self.probs is None else self.probs[keep],
         )
 
     @staticmethod
@@ -89,7 +89,8 @@ class _Selection:
         if first.nstep is not None:
             nstep = _NStepRead.concat([p.nstep for p in parts if p.nstep is not None])
         return _Selection(cat("lanes"), cat("anchors"), cat("slots"), cat("held"), cat("before"),
-                          masks, cat("end"), nstep)
+                          masks, cat("end"), nstep,
+                          None if first.probs is None else cat("probs"))
 
 
 class PlanReader:
@@ -128,7 +129,13 @@ class PlanReader:
                 ("truncated",) if "truncated" in storage.spec else ())
 
     # -- selection ---------------------------------------------------------------------------------
-    def _probe(self, draw: Draw, windows: Windows, want: int) -> _Selection:
+    def can_read_at(self, lanes: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+        """bool [n]: which anchors a batch could be read at now, by the very checks a draw's
+        anchors pass (``WindowPriorityTable`` enters a start's priority by this)."""
+        return self._judge(Draw(lanes, anchors), self.storage.windows())[1]
+
+    def _judge(self, draw: Draw, windows: Windows) -> tuple[_Selection, np.ndarray]:
+        """Probe every anchor of ``draw``: (what was read for each, which are usable)."""
         storage, capacity = self.storage, self.storage.capacity
         plan = self.compiled.plan
         anchors = draw.indices
@@ -159,8 +166,9 @@ class PlanReader:
             if self.needs_next:
                 valid &= same[:, j0 + 1 : j0 + 1 + length]
             window_ok, masks[MASK] = sequence_masks(valid, plan.cross_episodes)
-            sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end)
-            return sel.take(np.flatnonzero(usable & window_ok)[:want])
+            sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end,
+                             probs=draw.probs)
+            return sel, usable & window_ok
         nstep = None
         if self.n_step > 1:
             columns = storage.columns
@@ -194,71 +202,56 @@ class PlanReader:
                 usable &= next_ok
                 masks[f"{plan.next_obs_field}_mask"] = np.concatenate(
                     [next_valid, np.ones((n, 1), bool)], axis=1)
-        sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep)
-        return sel.take(np.flatnonzero(usable)[:want])
+        sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep, draw.probs)
+        return sel, usable
 
     def anchor_windows(self, windows: Windows) -> Windows:
         """Each lane's window less the ``tail_rows`` a strict window must leave after its start."""
         return Windows(windows.lo, np.maximum(windows.hi - self.tail_rows, windows.lo))
 
-    def usable_anchors(self, among: Draw | None = None, chunk: int = ANCHOR_CHUNK) -> Draw:
-        """The anchors a batch may start at now, judged as draws are (``_probe``): all in the
-        lanes' anchor windows (lanes in order, indices ascending), or those of ``among`` that
-        still are; ``chunk`` at a time (a probe is ``[chunk, len(offsets)]``)."""
-        windows = self.storage.windows()
-        among = every_index(self.anchor_windows(windows)) if among is None else among
-        sels = [self._probe(Draw(among.lanes[at:at + chunk], among.indices[at:at + chunk]),
-                            windows, chunk) for at in range(0, among.lanes.size, chunk)]
-        none = [np.zeros(0, np.int64)]
-        return Draw(np.concatenate([s.lanes for s in sels] + none),
-                    np.concatenate([s.anchors for s in sels] + none))
-
     def read_at(self, out: dict[str, np.ndarray], lanes: np.ndarray, anchors: np.ndarray
                 ) -> bool:
         """Fill ``out`` with the batch whose rows start at ``anchors``; False if one of them is
         no longer usable or was overwritten while read (``out`` is then partly written)."""
-        sel = self._probe(Draw(lanes, anchors), self.storage.windows(), anchors.size)
-        if len(sel.anchors) < anchors.size:
+        sel, usable = self._judge(Draw(lanes, anchors), self.storage.windows())
+        if not usable.all():
             return False
         self.fill(sel, out)
         return bool(self._stable(sel).all())
 
-    def _select(self, count: int, rng: np.random.Generator, max_rounds: int) -> _Selection:
+    def _select(self, count: int, rng: np.random.Generator, max_rounds: int,
+                sampler: Sampler | None = None) -> tuple[_Selection, float]:
+        """``count`` usable anchors drawn uniformly or by ``sampler``; and the smallest
+        probability its draws reported (inf for uniform draws)."""
         parts: list[_Selection] = []
         have = 0
+        pmin = np.inf
         for _ in range(max_rounds):
             windows = self.storage.windows()
             want = count - have
             # Some anchors get rejected (episode ends, FINAL rows): draw a few extra per round.
             lo, hi = int(windows.lo[0]), int(windows.hi[0]) - self.tail_rows
-            if self.storage.lanes == 1 and hi > lo:
+            if sampler is not None:  # (its own rejects are rare: no extra draws)
+                draw = sampler(self.anchor_windows(windows), want, rng)
+                pmin = min(pmin, draw.pmin)
+            elif self.storage.lanes == 1 and hi > lo:
                 positions = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
                 positions += lo
                 draw = Draw(np.zeros(positions.size, np.int64), positions)
             else:
                 draw = draw_uniform(self.anchor_windows(windows), want + want // 4 + 4, rng)
-            sel = self._probe(draw, windows, want)
+            sel, usable = self._judge(draw, windows)
+            sel = sel.take(np.flatnonzero(usable)[:want])  # the first usable anchors
             if len(sel.anchors):
                 parts.append(sel)
                 have += len(sel.anchors)
             if have >= count:
                 sel = _Selection.concat(parts) if len(parts) > 1 else parts[0]
-                return sel  # every part holds at most the rows still wanted
+                return sel, pmin  # every part holds at most the rows still wanted
         raise SamplingError(
             f"found only {have} of {count} usable rows in {max_rounds} rounds of draws: "
-            f"{self._why()}"
+            f"{_shortfall(self.compiled.plan, self.sequence_length, self.needs_next)}"
         )
-
-    def _why(self) -> str:
-        plan = self.compiled.plan
-        if self.sequence_length > 1 and not plan.cross_episodes:
-            return (f"few windows of {self.sequence_length} steps lie inside one episode "
-                    f"(episodes shorter than sequence_length?). Fix: cross_episodes=True, or a "
-                    f"shorter sequence")
-        if self.needs_next:
-            return ("next_obs is derived, so only steps whose next observation is written can "
-                    "be drawn: call writer.end_episode() at episode ends")
-        return "the rows needed keep being overwritten or are not written yet"
 
     # -- gathering ---------------------------------------------------------------------------------
     def _rows_at(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None = None
@@ -364,16 +357,19 @@ class PlanReader:
 
     # -- entry point -------------------------------------------------------------------------------
     def read_into(self, out: dict[str, np.ndarray], rng: np.random.Generator,
-                  max_retries: int) -> Draw:
+                  max_retries: int, sampler: Sampler | None = None) -> Draw:
         """Fill ``out`` (every output of the plan, ``batch_size`` rows); return the rows
-        delivered."""
+        delivered. Anchors are drawn uniformly, or by ``sampler`` (e.g. ``PriorityTable.draw``:
+        the Draw returned then carries their probabilities)."""
         batch_size = next(iter(out.values())).shape[0]
         lanes = np.empty(batch_size, np.int64)
         anchors = np.empty(batch_size, np.int64)
+        probs = np.empty(batch_size, np.float64) if sampler is not None else None
+        pmin = np.inf
         todo = np.arange(batch_size)
         target = out
         for _ in range(max_retries):
-            sel = self._select(todo.size, rng, max_retries)
+            sel, drawn_pmin = self._select(todo.size, rng, max_retries, sampler)
             self.fill(sel, target)
             stable = self._stable(sel)
             if target is not out:
@@ -381,17 +377,32 @@ class PlanReader:
                     out[name][todo[stable]] = arr[stable]
             lanes[todo[stable]] = sel.lanes[stable]
             anchors[todo[stable]] = sel.anchors[stable]
+            if probs is not None and sel.probs is not None:
+                probs[todo[stable]] = sel.probs[stable]
+                pmin = min(pmin, drawn_pmin)
             todo = todo[~stable]
             if not todo.size:
                 if self.sequence_length > 1:
-                    return Draw(lanes, anchors[:, None] + np.arange(self.sequence_length))
-                return Draw(lanes, anchors)
+                    return Draw(lanes, anchors[:, None] + np.arange(self.sequence_length), probs,
+                                0.0 if probs is None else pmin)
+                return Draw(lanes, anchors, probs, 0.0 if probs is None else pmin)
             target = self.compiled.allocate(todo.size)
         raise SamplingError(
             f"{todo.size} of {batch_size} rows kept being overwritten while read, {max_retries} "
             f"times in a row: writers lap the readers. Fix: a larger capacity (now "
             f"{self.storage.capacity} per lane) or slower writers"
         )
+
+
+def _shortfall(plan: Plan, sequence_length: int, needs_next: bool) -> str:
+    """Why draws found too few usable anchors, and the fix."""
+    if sequence_length > 1 and not plan.cross_episodes:
+        return (f"few windows of {sequence_length} steps lie inside one episode (episodes "
+                f"shorter than sequence_length?). Fix: cross_episodes=True, or a shorter sequence")
+    if needs_next:
+        return ("next_obs is derived, so only steps whose next observation is written can "
+                "be drawn: call writer.end_episode() at episode ends")
+    return "the rows needed keep being overwritten or are not written yet"
 
 
 def _pad_of(mask: np.ndarray) -> np.ndarray | None:

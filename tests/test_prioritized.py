@@ -434,7 +434,8 @@ def test_update_priorities_needs_a_prioritized_pool(kw):
     ({"alpha": -0.5}, "alpha"), ({"alpha": float("nan")}, "alpha"),
     ({"eps": -1e-3}, "eps"), ({"beta": 1.5}, "beta"), ({"beta": (0.4, 1.0, 0)}, "n_batches"),
     ({"sampler": "rank"}, "sampler must be"),
-    ({"sequence_length": 4}, "sample uniformly"),
+    ({"sequence_length": 4, "max_times_sampled": 2}, "sample uniformly"),
+    ({"sequence_length": 4, "priority_eta": 1.5}, "priority_eta"),
 ])
 def test_bad_prioritized_arguments(kw, match):
     with procs.new_buffer(capacity=16, lanes=1) as buf:

@@ -18,6 +18,7 @@ from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
+from shmbuf.window_priority import R2D2_ETA, checked_eta
 
 OUTPUTS = ("numpy", "torch", "jax")
 SELECTIONS = ("uniform", "prioritized", "queue", "epoch")  # the ``sampler=`` keyword's values
@@ -58,6 +59,7 @@ class PoolConfig:
     # sampler="epoch": an epoch's rows short of a whole batch make a "short" last batch, are
     # skipped ("drop"), or open the next epoch's first batch ("carry"): ``EpochSelection``
     epoch_remainder: str = "drop"
+    priority_eta: float = R2D2_ETA  # prioritized sequences: eta * max + (1 - eta) * mean
 
     @classmethod
     def from_args(cls, *, batch_size: int, n_workers: int | None, n_staging: int | None,
@@ -67,7 +69,8 @@ class PoolConfig:
                   transform_spec: dict[str, Any] | None, plan: Plan | None, sampler: str,
                   alpha: float, beta: Any, eps: float, max_times_sampled: int | None,
                   device: Any, device_prefetch: int, plan_kwargs: dict[str, Any],
-                  drop_last: bool = True, carry_remainder: bool = False) -> PoolConfig:
+                  drop_last: bool = True, carry_remainder: bool = False,
+                  priority_eta: float = R2D2_ETA) -> PoolConfig:
         """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
         if device is not None:
@@ -108,6 +111,7 @@ class PoolConfig:
             raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
         beta_at = beta_schedule(beta)
         remainder = epoch_remainder(drop_last, carry_remainder)
+        eta = checked_eta(priority_eta)
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
         _check_picklable(transform)  # serialised here: an unpicklable one fails at the call site
@@ -120,7 +124,7 @@ class PoolConfig:
             pin_memory=pin_memory,
             max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
             beta=beta_at, eps=eps, max_times_sampled=times, device=device,
-            device_prefetch=device_prefetch, epoch_remainder=remainder,
+            device_prefetch=device_prefetch, epoch_remainder=remainder, priority_eta=eta,
         )
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:

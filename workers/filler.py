@@ -116,7 +116,7 @@ class BatchFiller:
         backoff = Backoff(1e-4, 5e-3)
         while True:
             try:
-                return self.buf.sample_into(target, rng, sampler=table.draw)
+                return self.buf.sample_into(target, rng, plan=self.compiled, sampler=table.draw)
             except (SamplingError, EmptyBufferError):
                 wait(backoff)
 

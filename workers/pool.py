@@ -80,12 +80,12 @@ class SamplerPool(EpochIteration):
             weights; ``update_priorities`` sets new ones); or "queue" (every transition
             delivered exactly once, oldest first, writers waiting while the queue is full); or
             "epoch" (every transition or plan start once per epoch: ``EpochIteration``).
-        alpha, eps: priorities are stored as ``(p + eps) ** alpha``.
+        alpha, eps: priorities are stored as ``(p + eps) ** alpha``. priority_eta: sequences'
+            ``[B, T]`` priorities become ``eta * max + (1 - eta) * mean`` per window (R2D2).
         beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
             schedule over the batches delivered, or a callable ``f(batches) -> beta``.
         max_times_sampled: retire a transition after it was delivered this many times.
-        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches, see
-            ``shmbuf.sampling.Plan`` (uniform sampling only).
+        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches (``Plan``).
 
     Concurrency: the learner (this process) owns the staging segment and assigns each slot to
     one worker at a time; the worker writes the slot and then announces it; only then does the
@@ -119,12 +119,11 @@ class SamplerPool(EpochIteration):
         transform_spec: dict[str, Any] | None = None,
         plan: Plan | None = None,
         sampler: str = "uniform",
-        alpha: float = 0.6,
-        beta: Any = 0.4,
-        eps: float = 1e-6,
+        alpha: float = 0.6, beta: Any = 0.4, eps: float = 1e-6,
         max_times_sampled: int | None = None,
         device: Any = None,
         device_prefetch: int = 2, drop_last: bool = True, carry_remainder: bool = False,
+        priority_eta: float = 0.9,
         **plan_kwargs: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
@@ -142,7 +141,8 @@ class SamplerPool(EpochIteration):
                 max_restarts_per_minute=max_restarts_per_minute, transform_spec=transform_spec,
                 plan=plan, sampler=sampler, alpha=alpha, beta=beta, eps=eps,
                 max_times_sampled=max_times_sampled, device=device, device_prefetch=device_prefetch,
-                plan_kwargs=plan_kwargs, drop_last=drop_last, carry_remainder=carry_remainder)
+                plan_kwargs=plan_kwargs, drop_last=drop_last, carry_remainder=carry_remainder,
+                priority_eta=priority_eta)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (

@@ -30,6 +30,7 @@ from shmbuf.errors import EmptyBufferError
 from shmbuf.layout import LANE_RELEASED
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling import Draw, sumtree
+from shmbuf.window_priority import WindowPriorityTable
 
 from .config import PoolConfig
 
@@ -379,10 +380,12 @@ def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
     kind = CountedSelection if k is not None and name != "queue" else SELECTIONS[name]
     if kind in (UniformSelection, EpochSelection):
         return kind  # (epochs read any plan: ``ReplayBuffer.anchors``)
-    if not compiled.plan.is_plain or compiled.derived_next_obs:
+    planned = not compiled.plan.is_plain or compiled.derived_next_obs
+    if planned and kind is not PrioritizedSelection:
         raise ValueError(
             f"sampler={name!r} and max_times_sampled draw single stored transitions; "
-            f"sequence, frame-stack and n-step plans (and derived next_obs) sample uniformly"
+            f"sequence, frame-stack and n-step plans (and derived next_obs) sample uniformly "
+            f"or with sampler='prioritized'"
         )
     if kind is QueueSelection:
         if k not in (None, 1):
@@ -405,7 +408,13 @@ def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig,
     if kind is EpochSelection:
         return EpochSelection(buf, compiled or buf.compile(cfg.plan, cfg.fields),
                               cfg.epoch_remainder)
-    table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
+    compiled = compiled or buf.compile(cfg.plan, cfg.fields)  # the pool's own (cached)
+    if kind is PrioritizedSelection and (not compiled.plan.is_plain or compiled.derived_next_obs):
+        # one priority per window start (sequences, frame stacks, n-step, derived next_obs)
+        table: PriorityTable = WindowPriorityTable.create_for(buf, compiled, cfg.alpha, cfg.eps,
+                                                              cfg.priority_eta)
+    else:
+        table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
     try:
         if kind is PrioritizedSelection:
             return PrioritizedSelection(buf, table)

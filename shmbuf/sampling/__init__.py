@@ -5,7 +5,7 @@ returns which (lane, logical index) pairs to read. The buffer does the reading a
 checks; strategies never touch memory, so they are tested on plain arrays.
 """
 
-from .base import Draw, Windows, every_index
+from .base import Draw, Sampler, Windows, every_index
 from .uniform import draw_uniform
 
-__all__ = ["Draw", "Windows", "draw_uniform", "every_index"]
+__all__ = ["Draw", "Sampler", "Windows", "draw_uniform", "every_index"]

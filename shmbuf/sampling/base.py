@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ class Draw:
     indices: np.ndarray  # int64 [B]
     probs: np.ndarray | None = None  # float64 [B]: probability each row was drawn with
     pmin: float = 0.0  # smallest probability of any row at draw time (importance weights)
+
+
+# A draw strategy: (windows, batch size, rng) -> Draw (``draw_uniform``, ``PriorityTable.draw``).
+Sampler = Callable[[Windows, int, np.random.Generator], Draw]
 
 
 def lane_of(windows: Windows, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

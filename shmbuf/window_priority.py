@@ -1,0 +1,163 @@
+"""``WindowPriorityTable``: prioritized replay over planned batches (R2D2 sequences, frame stacks,
+n-step): one priority per window start, and the R2D2 reduction ``eta * max + (1 - eta) * mean``
+of a window's per-step priorities.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidPriorityError
+from .priority import PriorityTable
+from .sampling import sumtree
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+    from .reader import PlanReader
+    from .sampling.plan import Compiled
+
+R2D2_ETA = 0.9  # R2D2's mix of a window's largest and mean priority
+JUDGE_CELLS = 1 << 20  # starts judged together x probe rows per start: bounds sync's memory
+
+
+def checked_eta(eta: Any) -> float:
+    """``eta`` as a float in [0, 1], else ``ValueError`` naming it (``priority_eta``)."""
+    value = float(eta)
+    if not 0.0 <= value <= 1.0:  # (NaN fails too)
+        raise ValueError(f"priority_eta must be in [0, 1] (R2D2 uses 0.9), got {eta!r}")
+    return value
+
+
+def reduce_windows(priorities: np.ndarray, eta: float) -> np.ndarray:
+    """R2D2's priority of each window from its steps' ``[B, T]`` priorities (e.g. |TD errors|):
+    ``eta * max_t + (1 - eta) * mean_t``."""
+    return eta * priorities.max(axis=1) + (1.0 - eta) * priorities.mean(axis=1)
+
+
+class WindowPriorityTable(PriorityTable):
+    """A ``PriorityTable`` whose rows are the anchors (window starts) of a compiled plan.
+
+    A start enters once every row its window may read is committed (its newest ``lag`` rows
+    later than a plain table's), at the maximum priority if a batch could be read at it then
+    (``PlanReader.can_read_at``: the checks uniform draws pass, so with ``cross_episodes``
+    False a window crossing an episode end, or starting at an episode's FINAL row, enters at
+    zero and is never drawn), else at zero. Draws (``draw``, in any process) are unchanged;
+    the plan reader probes each drawn window again under the rows' stamps, so a window is never
+    torn and never holds a row that moved on. ``update`` takes ``batch.indices`` (``[B, T]`` for
+    sequences: the start is column 0) with priorities ``[B]``, or ``[B, T]`` reduced per window
+    by ``reduce_windows`` with ``eta``.
+
+    Concurrency: as ``PriorityTable``: the learner that creates the table is the only writer;
+    its ``sync`` enters new starts at zero (generations first) and then gives the judged ones
+    their values, so a reader never draws a start before it was judged.
+
+    Example:
+        >>> plan = buf.compile(sequence_length=16)
+        >>> table = WindowPriorityTable.create_for(buf, plan, alpha=0.6, eps=1e-6, eta=0.9)
+    """
+
+    reader: PlanReader
+    lag = 0  # newest rows a start's window may read after it
+    eta = R2D2_ETA
+    judged: np.ndarray  # per lane: every start below it has its value (learner side)
+    usable: np.ndarray  # per slot: whether its start was judged usable (learner side)
+
+    @classmethod
+    def create_for(cls, buf: ReplayBuffer, compiled: Compiled, alpha: float = 0.6,
+                   eps: float = 1e-6, eta: float = R2D2_ETA) -> WindowPriorityTable:
+        """A table of ``compiled``'s window starts of ``buf``, for its learner (the writer)."""
+        eta = checked_eta(eta)
+        from .reader import PlanReader  # (as BatchReader does: only where plans are read)
+
+        table = cls.create(buf, alpha, eps)
+        assert isinstance(table, cls)  # ``create`` makes a ``cls``
+        table.reader = PlanReader(buf.storage, compiled)
+        table.lag = max(0, int(table.reader.offsets[-1]))
+        table.eta = eta
+        table.judged = table.synced.copy()  # per lane: starts below it have their values
+        # per slot: the start there was judged usable (learner side; updates keep others at 0)
+        table.usable = np.zeros(buf.lanes * buf.capacity, bool)
+        return table
+
+    def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
+        """Enter new rows as starts at zero, then value every start whose window is written:
+        the maximum priority (``initial`` if given) where a batch can be read at it, else 0."""
+        before = self.synced.copy()
+        entered = super().sync(buf, 0.0)
+        for lane in np.flatnonzero(self.synced > before):  # new starts: not judged yet
+            first = max(int(before[lane]), int(self.synced[lane]) - self.capacity)
+            self.usable[lane * self.capacity
+                        + np.arange(first, int(self.synced[lane])) % self.capacity] = False
+        ready = self.synced - self.lag  # starts whose every probe row is committed
+        lanes = np.flatnonzero(ready > self.judged)
+        if not lanes.size:
+            return entered
+        value = float(self._value(np.asarray(self.max_priority))) if initial is None else initial
+        chunk = max(1, JUDGE_CELLS // self.reader.offsets.size)
+        for lane in lanes:
+            first = max(int(self.judged[lane]), int(self.synced[lane]) - self.capacity)
+            for at in range(first, int(ready[lane]), chunk):
+                starts = np.arange(at, min(at + chunk, int(ready[lane])), dtype=np.int64)
+                usable = self.reader.can_read_at(np.full(starts.size, lane), starts)
+                self.usable[lane * self.capacity + starts % self.capacity] = usable
+                self._fill_starts(int(lane), at, np.where(usable, value, 0.0))
+        self.judged[lanes] = ready[lanes]
+        return entered
+
+    def _fill_starts(self, lane: int, first: int, values: np.ndarray) -> None:
+        """Set the values of starts ``first ..`` of ``lane`` (contiguous slots, wrapping once)."""
+        at = 0
+        while at < values.size:
+            slot = (first + at) % self.capacity
+            n = min(values.size - at, self.capacity - slot)
+            sumtree.fill(self.sums, self.mins, lane, slot, values[at:at + n])
+            at += n
+
+    def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
+        """New priorities for the windows of ``indices`` (``batch.indices``: ``[B, T]`` for
+        sequences, or their starts ``[B]``): ``[B]`` as they are, or ``[B, T]`` per step,
+        reduced by ``reduce_windows``. Windows whose start was overwritten since are skipped.
+
+        Raises:
+            InvalidPriorityError: a step's priority is NaN, infinite or negative (nothing is
+                applied).
+            ValueError: shapes that do not match ``indices``.
+        """
+        index = np.asarray(indices, np.int64)
+        values = np.asarray(priorities, np.float64)
+        length = self.reader.sequence_length
+        if index.ndim == 2:
+            if index.shape[1] != length:
+                raise ValueError(f"indices of shape {index.shape} for windows of {length} steps: "
+                                 f"pass batch.indices ([B, {length}]) or its column 0")
+            index = index[:, 0]
+        if values.ndim == 2 and length > 1:
+            if values.shape != (index.size, length):
+                raise ValueError(
+                    f"priorities of shape {values.shape} for {index.size} windows of {length} "
+                    f"steps: pass one per window ([{index.size}]) or per step "
+                    f"([{index.size}, {length}])")
+            self._check_steps(lanes, index, values)
+            values = reduce_windows(values, self.eta)
+        applied = super().update(lanes, index, values)
+        # A start no batch can be read at (e.g. its window crosses an episode end) stays at 0.
+        lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape)
+        slots = lane * self.capacity + index % self.capacity
+        unusable = ~self.usable[slots] & (self.gen[slots] == index)
+        if unusable.any():
+            self.retire(lane[unusable], index[unusable])
+        return applied - int(unusable.sum())
+
+    def _check_steps(self, lanes: Any, starts: np.ndarray, values: np.ndarray) -> None:
+        """Per-step priorities must be finite and >= 0 (a negative one could hide in a max)."""
+        bad = ~np.isfinite(values) | (values < 0)
+        if bad.any():
+            window, step = (int(i) for i in np.argwhere(bad)[0])
+            lane = int(np.broadcast_to(np.asarray(lanes, np.int64), starts.shape)[window])
+            raise InvalidPriorityError(
+                f"priority {float(values[window, step])!r} at step {step} of window {window} "
+                f"(start {int(starts[window])} of lane {lane}) is not allowed: priorities must "
+                f"be finite and >= 0 ({int(bad.sum())} bad of {values.size}; pass |TD errors|); "
+                f"nothing was updated")
