@@ -229,26 +229,11 @@ class BufferStorage:
         return Windows(*slots.read_windows(self.reserved, self.committed, self.capacity,
                                            self.cleared_below))
 
-    def _lock_floors(self, lease: Lease, timeout: float, purpose: str) -> None:
-        """Take ``LOCK_CLEAR`` on ``lease`` (the right to store the lanes' floors), waiting up
-        to ``timeout`` s for another clear or restore to finish; LaneBusyError (lease closed)
-        past it."""
-        deadline = time.monotonic() + timeout
-        while not lease.try_lock(L.LOCK_CLEAR):
-            if time.monotonic() >= deadline:
-                lease.close()
-                raise LaneBusyError(
-                    f"another clear() or restore of buffer {self.name!r} kept going for "
-                    f"{timeout:g}s; nothing was changed. Fix: retry {purpose}, or pass a larger "
-                    f"timeout"
-                )
-            time.sleep(0.01)
-
     def lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
         """Take every lane's writer lease and ``LOCK_CLEAR`` (for restores), waiting up to
         ``timeout`` for each; raises LaneBusyError if one stays busy."""
         lease = self.segment.lease()
-        self._lock_floors(lease, timeout, purpose)
+        lock_floors(lease, self.name, timeout, purpose)
         deadline = time.monotonic() + timeout
         for k in range(self.lanes):
             while not lease.try_lock(L.lock_lane(k)) and time.monotonic() < deadline:
@@ -262,26 +247,8 @@ class BufferStorage:
         return lease
 
     def clear(self, timeout: float) -> None:
-        """Empty every lane, live writers or not, holding ``LOCK_CLEAR`` (waiting up to
-        ``timeout`` s for another clear or restore; LaneBusyError past it, nothing changed).
-
-        A lane whose lease it can take is emptied (``empty_lane``: window and episode records).
-        A lane with a live writer (of any handle or process) gets its floor set to its
-        ``committed`` instead (``slots.set_floor``): the writer is neither waited for nor
-        touched, and what it publishes from then on (an add overlapping the clear included)
-        counts as written after the clear. Its episode records starting below the floor read
-        as not held; rows stay in their slots until overwritten, unreachable.
-        """
-        lease = self.segment.lease()
-        self._lock_floors(lease, timeout, "clear()")
-        try:
-            for k in range(self.lanes):
-                if lease.try_lock(L.lock_lane(k)):  # held until the end, like lock_all_lanes
-                    self.empty_lane(k)
-                else:
-                    slots.set_floor(self.cleared_below, k, self.committed[k])
-        finally:
-            lease.close()
+        """Empty every lane, live writers or not (``clear_lanes``)."""
+        clear_lanes(self, timeout)
 
     def episode_table(self) -> EpisodeTable:
         """The lanes' episode records; StaleIndexError for a segment that keeps none."""
@@ -360,6 +327,46 @@ class BufferStorage:
             f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "
             f"episode spec. Fix: ReplayBuffer.create(..., episode_spec=Spec(...))"
         )
+
+
+def lock_floors(lease: Lease, name: str, timeout: float, purpose: str) -> None:
+    """Take ``LOCK_CLEAR`` on ``lease`` (the right to store the lanes' floors), waiting up
+    to ``timeout`` s for another clear or restore to finish; LaneBusyError (lease closed)
+    past it."""
+    deadline = time.monotonic() + timeout
+    while not lease.try_lock(L.LOCK_CLEAR):
+        if time.monotonic() >= deadline:
+            lease.close()
+            raise LaneBusyError(
+                f"another clear() or restore of buffer {name!r} kept going for "
+                f"{timeout:g}s; nothing was changed. Fix: retry {purpose}, or pass a larger "
+                f"timeout"
+            )
+        time.sleep(0.01)
+
+
+
+def clear_lanes(storage: BufferStorage, timeout: float) -> None:
+    """Empty every lane, live writers or not, holding ``LOCK_CLEAR`` (waiting up to
+    ``timeout`` s for another clear or restore; LaneBusyError past it, nothing changed).
+
+    A lane whose lease it can take is emptied (``empty_lane``: window and episode records).
+    A lane with a live writer (of any handle or process) gets its floor set to its
+    ``committed`` instead (``slots.set_floor``): the writer is neither waited for nor
+    touched, and what it publishes from then on (an add overlapping the clear included)
+    counts as written after the clear. Its episode records starting below the floor read
+    as not held; rows stay in their slots until overwritten, unreachable.
+    """
+    lease = storage.segment.lease()
+    lock_floors(lease, storage.name, timeout, "clear()")
+    try:
+        for k in range(storage.lanes):
+            if lease.try_lock(L.lock_lane(k)):  # held until the end, like lock_all_lanes
+                storage.empty_lane(k)
+            else:
+                slots.set_floor(storage.cleared_below, k, storage.committed[k])
+    finally:
+        lease.close()
 
 
 def _column(mm: Any, c: Any) -> np.ndarray:
