@@ -345,7 +345,6 @@ def lock_floors(lease: Lease, name: str, timeout: float, purpose: str) -> None:
         time.sleep(0.01)
 
 
-
 def clear_lanes(storage: BufferStorage, timeout: float) -> None:
     """Empty every lane, live writers or not, holding ``LOCK_CLEAR`` (waiting up to
     ``timeout`` s for another clear or restore; LaneBusyError past it, nothing changed).
