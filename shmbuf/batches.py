@@ -49,6 +49,7 @@ class BatchReader:
         self._words = storage.words
         self._lane0_committed = storage.word_index(0, L.LANE_COMMITTED)
         self._lane0_reserved = storage.word_index(0, L.LANE_RESERVED)
+        self._lane0_floor = storage.layout.cleared_below(0) // 8
         self._default_rng = np.random.default_rng()
         self._compiled: dict[Any, Compiled] = {}
         self._readers: dict[int, PlanReader] = {}
@@ -93,7 +94,7 @@ class BatchReader:
         """``draw_uniform`` for a one-lane buffer without the per-lane array arithmetic (the
         same draw, about 10 us cheaper: it matters for small rows)."""
         lo, hi = slots.read_window(self._words, self._lane0_reserved, self._lane0_committed,
-                                   self._capacity)
+                                   self._capacity, self._lane0_floor)
         if hi <= lo:
             return draw_uniform(Windows(np.array([lo]), np.array([hi])), batch, rng)  # raises
         zeros = self._zero_lanes.get(batch)

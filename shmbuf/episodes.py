@@ -31,7 +31,7 @@ class EpisodeTable:
     """Views of a buffer's episode columns plus the checks for episode data."""
 
     def __init__(self, columns: Mapping[str, np.ndarray], capacity: int, lanes: int,
-                 spec: Spec | None) -> None:
+                 spec: Spec | None, cleared_below: np.ndarray | None = None) -> None:
         self.capacity = capacity  # records per lane
         self.lanes = lanes
         self.stamp = columns["_ep_stamp"]
@@ -39,6 +39,7 @@ class EpisodeTable:
         self.length = columns["_ep_length"]
         self.flags = columns["_ep_flags"]
         self.spec = spec
+        self.cleared_below = np.zeros(lanes, np.int64) if cleared_below is None else cleared_below
         self.data = {name: columns[name] for name in (spec or {})}
         self._checker = RowChecker(spec, row_op="end_episode") if spec else None
         self._zeros = {name: np.zeros(f.shape, f.dtype) for name, f in (spec or {}).items()}
@@ -96,7 +97,12 @@ class EpisodeTable:
         for name, col in self.data.items():
             out[name] = col[r]
         after = slots.reload_stamps(self.stamp, r)
-        return out, slots.held_whole(before, after, expected)
+        return out, slots.held_whole(before, after, expected) & self.above_floor(out["start"], lanes)
+
+    def above_floor(self, start: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+        """Which records (first steps ``start`` of ``lanes``) began at or above their lane's
+        floor: one that began below was cleared (``clear()`` with a live writer)."""
+        return start >= self.cleared_below[lanes]
 
     def get(self, episode: Any, lane: int) -> dict[str, Any]:
         """The record of ``episode`` of ``lane``.

@@ -109,8 +109,14 @@ class ImitationSurface:
         indices and episode ids keep growing (old ones are never reused), so indices,
         priorities and episode ids taken before are simply stale afterwards.
 
+        Works while writers (of any handle or process) are open: their lanes are emptied up to
+        the ``committed`` read during the call (their floor); rows they publish from then on,
+        an add that overlaps the call included, count as written after it. Once it returns,
+        ``len()``, ``sample()`` and checkpoints see none of the older rows, nor episodes that
+        began before it. A pool's batches gathered before it returned may still hold them.
+
         Raises:
-            LaneBusyError: a lane keeps a live writer (of any handle) for ``timeout`` s.
+            LaneBusyError: another ``clear()`` or a restore kept going for ``timeout`` s.
         """
         self._check_open()
         timeout = timeout_seconds("timeout", timeout)

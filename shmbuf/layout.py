@@ -16,7 +16,10 @@ prefix is ``HEADER`` (one struct, its field offsets ``H_*`` beside it, below):
 
 A replay buffer's body, each region 64-byte aligned:
 
-- lane headers: ``LANE_LINES`` 64-byte lines per lane, one hot u64 per line (``LANE_*``).
+- lane headers: ``LANE_LINES`` 64-byte lines per lane, one hot u64 per line (``LANE_*``), plus
+  the lane's "cleared below" floor in word ``CLEARED_BELOW_WORD`` of the rarely written
+  ``LANE_EPOCH`` line (format version 2): ``clear()`` stores the lane's ``committed`` there when
+  a live writer keeps it from emptying the lane itself; readers never read below it.
 - limiter block: ``LIMITER_CONFIG_LINES`` lines of config then ``MAX_SAMPLERS`` counter lines.
 - slot stamps: one u64 per slot, ``lanes * capacity`` of them.  Lane k owns slots
   ``[k*C, (k+1)*C)``; index i of lane k lives in slot ``k*C + i % C``.
@@ -35,7 +38,8 @@ where the control words are (``slot_control``), so readers need not import ``wor
 
 All words are little-endian (only little-endian machines are supported). Advisory OFD locks on the
 segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the creator,
-``lock_lane(k)`` for lane k's writer, ``LOCK_LIMITER`` for the pool that drives the rate limiter.
+``lock_lane(k)`` for lane k's writer, ``LOCK_LIMITER`` for the pool that drives the rate limiter,
+``LOCK_CLEAR`` for whoever stores the lanes' floors (``clear()``, restores).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"SHMBUF\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the lanes' "cleared below" floors (version 1 shmbufs would ignore them)
 KIND_BUFFER = 1
 KIND_STAGING = 2
 KIND_PRIORITY = 3
@@ -91,6 +95,10 @@ LANE_WRITER_PID = 5  # pid of the lane's current (or last) writer
 LANE_EPISODE_START = 6  # logical index of the current episode's first step
 LANE_RELEASED = 7  # queue mode: rows below this were delivered (written by the queue's pool)
 LANE_LINES = 8
+# Word 1 of the LANE_EPOCH line: the lane's floor, "indices below this were cleared". Stored only
+# by the holder of LOCK_CLEAR (clear(), restores); never by the lane's writer, whose hot path
+# neither reads nor writes it. Readers take max(window start, floor).
+CLEARED_BELOW_WORD = 1
 
 # Limiter block: config lines written by the pool holding LOCK_LIMITER, then one samples counter
 # per sampler slot, each written only by the process that holds that sampler slot.
@@ -117,6 +125,7 @@ STAGING_STATS_LINES = 1
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).
 LOCK_OWNER = 1 << 40
 LOCK_LIMITER = LOCK_OWNER + 1
+LOCK_CLEAR = LOCK_OWNER + 2  # held while the lanes' floors (CLEARED_BELOW_WORD) are stored
 LOCK_SAMPLER_BASE = LOCK_OWNER + 1024
 LOCK_LANE_BASE = LOCK_OWNER + (1 << 20)
 
@@ -190,6 +199,10 @@ class BufferLayout:
     def lane_word(self, lane: int, word: int) -> int:
         """Byte offset of hot word ``word`` of lane ``lane``."""
         return self.lane_offset + (lane * LANE_LINES + word) * LINE
+
+    def cleared_below(self, lane: int) -> int:
+        """Byte offset of lane ``lane``'s floor (``CLEARED_BELOW_WORD`` of its epoch line)."""
+        return self.lane_word(lane, LANE_EPOCH) + CLEARED_BELOW_WORD * WORD
 
     def limiter_word(self, word: int) -> int:
         return self.limiter_offset + word * LINE

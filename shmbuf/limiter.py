@@ -128,7 +128,9 @@ class Limiter:
       j of the limiting pool (worker j, or the in-process pool as sampler 0), through
       ``record_samples``; ``configure`` zeroes them before it activates the limit;
     - inserts are the lanes' ``committed`` words, each stored by its lane's writer (``slots``);
-      in queue mode ``LANE_RELEASED`` is stored by the queue's pool (``workers.selection``).
+      in queue mode ``LANE_RELEASED`` is stored by the queue's pool (``workers.selection``);
+      a lane's floor (``CLEARED_BELOW_WORD``) by ``clear()``: rows below it are neither held
+      (``_size``) nor waiting for delivery.
 
     Nobody waits on a lock a dead process could hold: a writer that finds no room probes
     ``LOCK_LIMITER``, and a limiter whose pool died is treated as lifted. Samplers that check
@@ -137,13 +139,14 @@ class Limiter:
 
     def __init__(self, segment: Segment, mm: mmap.mmap, layout: L.BufferLayout,
                  words: memoryview, committed: np.ndarray, reserved: np.ndarray,
-                 released: np.ndarray) -> None:
+                 released: np.ndarray, cleared_below: np.ndarray) -> None:
         self._segment = segment
         self._mm = mm  # the segment's mapping (f64 words); closing it is the segment's business
         self._q = words
         self._capacity = layout.capacity
         self._lanes = layout.lanes
         self._committed_v, self._reserved_v, self._released_v = committed, reserved, released
+        self._floor_v = cleared_below
         self._cfg = layout.limiter_offset // 8
         self._ctr = layout.sampler_counter(0) // 8
         self._committed = [
@@ -156,6 +159,7 @@ class Limiter:
     def drop_views(self) -> None:
         """Let go of the segment's memory (the storage is closing); the limiter is unusable."""
         self._q = self._committed_v = self._reserved_v = self._released_v = None  # type: ignore[assignment]
+        self._floor_v = None  # type: ignore[assignment]
 
     # -- reading the block ------------------------------------------------------------------------
     def _word(self, w: int) -> int:
@@ -193,7 +197,8 @@ class Limiter:
 
     def _size(self) -> int:
         """Rows readable now, over all lanes (``BufferStorage.windows().total``)."""
-        lo, hi = slots.read_windows(self._reserved_v, self._committed_v, self._capacity)
+        lo, hi = slots.read_windows(self._reserved_v, self._committed_v, self._capacity,
+                                    self._floor_v)
         return int((hi - lo).sum())
 
     # -- writers ---------------------------------------------------------------------------------
@@ -226,7 +231,9 @@ class Limiter:
                         f"{n} rows at once can never fit a queue of {capacity} rows per lane. "
                         f"Fix: split the batch"
                     )
-                undelivered = self._committed_v[lanes] - self._released_v[lanes]
+                # rows below a lane's floor were cleared: they wait for no delivery
+                undelivered = self._committed_v[lanes] - np.maximum(self._released_v[lanes],
+                                                                    self._floor_v[lanes])
                 room = min(room, int(capacity - undelivered.max()))
                 why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
             if limit is not None:

@@ -10,7 +10,8 @@ views they store to as arguments: a ``memoryview`` cast to ``"q"`` indexed by wo
 scalar path) or int64 NumPy views indexed by ints, slices or index arrays (vectorised paths).
 
 Concurrency: only the holder of a lane's writer lease (its ``Writer``/``VectorWriter``, or
-``clear``/restores holding every lease) calls the writing functions for that lane; the reading
+``clear``/restores holding every lease) calls the writing functions for that lane, except
+``set_floor``, called by the holder of ``LOCK_CLEAR``; the reading
 functions are for anyone and never wait. The one copy of a write path outside this module is
 the inline copy in ``Writer.add`` (speed), pinned to ``write_row`` by tests/test_slots.py.
 """
@@ -204,6 +205,16 @@ def finish_restore(stamps: np.ndarray, segments: Segments, first: int, words: Wo
     words[reserved_at] = max(end, first + capacity)
 
 
+def set_floor(words: Words, at: Any, index: Any) -> None:
+    """Store lane floor(s) ``at`` (``layout.CLEARED_BELOW_WORD``): readers never read an index
+    below ``index`` again. Only the holder of ``LOCK_CLEAR`` calls it: ``clear()`` with
+    ``index = committed`` for a lane whose live writer it cannot lease (the writer goes on at
+    ``committed``, untouched: its rows count as written after the clear), restores with 0.
+    A floor only ever stays at or below its lane's ``committed``, so it never hides a row the
+    writer publishes later."""
+    words[at] = index
+
+
 def clear_stamps(stamps: np.ndarray, at: Any = slice(None)) -> None:
     """Stamp slots or records ``at`` never-written (0): nothing there is held any more."""
     stamps[at] = 0
@@ -212,28 +223,33 @@ def clear_stamps(stamps: np.ndarray, at: Any = slice(None)) -> None:
 # --------------------------------------------------------------------------------------------
 # Reading (anyone; never waits)
 # --------------------------------------------------------------------------------------------
-def read_windows(reserved: Any, committed: Any, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each lane's readable logical indices ``[lo, hi)`` from its ``reserved`` and
-    ``committed`` word views.
+def read_windows(reserved: Any, committed: Any, capacity: int, cleared_below: Any = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Each lane's readable logical indices ``[lo, hi)`` from its ``reserved``, ``committed``
+    and ``cleared_below`` (floor) word views.
 
     The writer's claim is loaded before ``committed``: read the other way round, a reader
     descheduled between the two loads pairs an old ``committed`` with a newer claim and sees a
-    full lane as empty. Rows claimed after the loads are caught by the stamp checks.
+    full lane as empty. Rows claimed after the loads are caught by the stamp checks. The floor
+    (``set_floor``) is loaded last and takes the place of 0 as the lowest start, so it costs
+    nothing extra; a floor newer than ``hi`` empties the window (``lo`` is clipped to ``hi``).
     """
     claimed = reserved.copy()  # the writer's claim first ...
     load_fence()
     hi = committed.copy()  # ... then committed, at least as new
-    lo = np.minimum(np.maximum(np.maximum(claimed, hi) - capacity, 0), hi)
+    lo = np.minimum(np.maximum(np.maximum(claimed, hi) - capacity, cleared_below), hi)
     return lo, hi
 
 
-def read_window(words: Words, reserved_at: int, committed_at: int, capacity: int
-                ) -> tuple[int, int]:
-    """``read_windows`` for one lane, from word offsets (no array arithmetic)."""
+def read_window(words: Words, reserved_at: int, committed_at: int, capacity: int,
+                cleared_below_at: int | None = None) -> tuple[int, int]:
+    """``read_windows`` for one lane, from word offsets (no array arithmetic); no
+    ``cleared_below_at``: a floor of 0."""
     claimed = words[reserved_at]
     load_fence()
     hi = words[committed_at]
-    return min(max(max(claimed, hi) - capacity, 0), hi), hi
+    floor = 0 if cleared_below_at is None else words[cleared_below_at]
+    return min(max(max(claimed, hi) - capacity, floor), hi), hi
 
 
 def load_stamps(stamps: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -48,7 +48,9 @@ class BufferStorage:
     words; ``lane_words[k]`` are lane k's words (``committed`` and ``reserved`` are the views of
     the two seqlock words over all lanes), written only by lane k's writer through ``slots``;
     ``stamps``/``meta``/``columns`` are slot-indexed (lane k owns ``[k*C, (k+1)*C)``). Readers
-    load them and never wait. ``lock_all_lanes`` takes every writer lease, for restores.
+    load them and never wait. ``cleared_below[k]`` is lane k's floor, stored only under
+    ``LOCK_CLEAR`` (``clear``, restores). ``lock_all_lanes`` takes every writer lease and
+    ``LOCK_CLEAR``, for restores.
     """
 
     def __init__(self, segment: Segment) -> None:
@@ -142,20 +144,23 @@ class BufferStorage:
         self.lane_words = lanes
         self.committed = lanes[:, L.LANE_COMMITTED, 0]
         self.reserved = lanes[:, L.LANE_RESERVED, 0]
+        self.cleared_below = lanes[:, L.LANE_EPOCH, L.CLEARED_BELOW_WORD]  # the lanes' floors
         self.stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
         self.limiter = Limiter(self.segment, mm, lay, words=self.words, committed=self.committed,
-                               reserved=self.reserved, released=lanes[:, L.LANE_RELEASED, 0])
+                               reserved=self.reserved, released=lanes[:, L.LANE_RELEASED, 0],
+                               cleared_below=self.cleared_below)
         self.episodes: EpisodeTable | None = None
         if lay.episode_capacity:
             ep_cols = {c.name: _column(mm, c) for c in lay.episode_columns}
             self.episodes = EpisodeTable(ep_cols, lay.episode_capacity, lay.lanes,
-                                         self.episode_spec)
+                                         self.episode_spec, self.cleared_below)
 
     def drop_views(self) -> None:
         """Drop every view of the segment (idempotent), so that it can be unmapped."""
         self.lane_words = self.committed = self.reserved = None  # type: ignore[assignment]
+        self.cleared_below = None  # type: ignore[assignment]
         self.stamps = self.meta = None  # type: ignore[assignment]
         self.columns = {}
         self.episodes = None
@@ -221,12 +226,14 @@ class BufferStorage:
     def windows(self) -> Windows:
         """Each lane's readable logical indices ``[lo, hi)`` (``slots.read_windows``: the
         writer's claim is loaded before ``committed``)."""
-        return Windows(*slots.read_windows(self.reserved, self.committed, self.capacity))
+        return Windows(*slots.read_windows(self.reserved, self.committed, self.capacity,
+                                           self.cleared_below))
 
     def lock_all_lanes(self, timeout: float = 0.0, purpose: str = "restoring the buffer") -> Lease:
-        """Take every lane's writer lease (for restores), waiting up to ``timeout`` for each;
-        raises LaneBusyError if one stays busy."""
+        """Take every lane's writer lease and ``LOCK_CLEAR`` (for restores), waiting up to
+        ``timeout`` for each; raises LaneBusyError if one stays busy."""
         lease = self.segment.lease()
+        lock_floors(lease, self.name, timeout, purpose)
         deadline = time.monotonic() + timeout
         for k in range(self.lanes):
             while not lease.try_lock(L.lock_lane(k)) and time.monotonic() < deadline:
@@ -240,14 +247,8 @@ class BufferStorage:
         return lease
 
     def clear(self, timeout: float) -> None:
-        """Empty every lane (``empty_lane``), holding every lane's lease while doing so;
-        LaneBusyError if a lane keeps a live writer for ``timeout`` s."""
-        lease = self.lock_all_lanes(timeout, "clearing the buffer")
-        try:
-            for k in range(self.lanes):
-                self.empty_lane(k)
-        finally:
-            lease.close()
+        """Empty every lane, live writers or not (``clear_lanes``)."""
+        clear_lanes(self, timeout)
 
     def episode_table(self) -> EpisodeTable:
         """The lanes' episode records; StaleIndexError for a segment that keeps none."""
@@ -279,6 +280,7 @@ class BufferStorage:
         reserved_at = self.word_index(lane, L.LANE_RESERVED)
         lane_stamps = self.stamps[base : base + C]
         slots.begin_restore(lane_stamps, q, committed_at, reserved_at, end, C)  # nothing held
+        slots.set_floor(self.cleared_below, lane, 0)  # (the caller holds LOCK_CLEAR too)
         segments = ring_segments(first, n, C)
         for a, b, off in segments:
             for name, src in rows.items():
@@ -325,6 +327,45 @@ class BufferStorage:
             f"end_episode() got episode data {sorted(data)} but buffer {self.name!r} has no "
             f"episode spec. Fix: ReplayBuffer.create(..., episode_spec=Spec(...))"
         )
+
+
+def lock_floors(lease: Lease, name: str, timeout: float, purpose: str) -> None:
+    """Take ``LOCK_CLEAR`` on ``lease`` (the right to store the lanes' floors), waiting up
+    to ``timeout`` s for another clear or restore to finish; LaneBusyError (lease closed)
+    past it."""
+    deadline = time.monotonic() + timeout
+    while not lease.try_lock(L.LOCK_CLEAR):
+        if time.monotonic() >= deadline:
+            lease.close()
+            raise LaneBusyError(
+                f"another clear() or restore of buffer {name!r} kept going for "
+                f"{timeout:g}s; nothing was changed. Fix: retry {purpose}, or pass a larger "
+                f"timeout"
+            )
+        time.sleep(0.01)
+
+
+def clear_lanes(storage: BufferStorage, timeout: float) -> None:
+    """Empty every lane, live writers or not, holding ``LOCK_CLEAR`` (waiting up to
+    ``timeout`` s for another clear or restore; LaneBusyError past it, nothing changed).
+
+    A lane whose lease it can take is emptied (``empty_lane``: window and episode records).
+    A lane with a live writer (of any handle or process) gets its floor set to its
+    ``committed`` instead (``slots.set_floor``): the writer is neither waited for nor
+    touched, and what it publishes from then on (an add overlapping the clear included)
+    counts as written after the clear. Its episode records starting below the floor read
+    as not held; rows stay in their slots until overwritten, unreachable.
+    """
+    lease = storage.segment.lease()
+    lock_floors(lease, storage.name, timeout, "clear()")
+    try:
+        for k in range(storage.lanes):
+            if lease.try_lock(L.lock_lane(k)):  # held until the end, like lock_all_lanes
+                storage.empty_lane(k)
+            else:
+                slots.set_floor(storage.cleared_below, k, storage.committed[k])
+    finally:
+        lease.close()
 
 
 def _column(mm: Any, c: Any) -> np.ndarray:

@@ -86,6 +86,7 @@ class _SharedReplay:
                                      next_obs=not optimize_memory_usage)
         self._obs_keys = [k for k in self.spec if k.split("/")[0] == "obs"]
         self._last_next_obs: dict[str, np.ndarray] | None = None  # derived: chain check
+        self._origin = np.zeros(n_envs, np.int64)  # per env: the logical index of position 0
         self._add_shapes()
         self._open(name, None)
 
@@ -199,14 +200,16 @@ class _SharedReplay:
     def _draw_like_sb3(self, windows: Windows, batch_size: int,
                        rng: np.random.Generator) -> Draw:
         """SB3's draw, from NumPy's global generator: a position below ``size()``, then an
-        env; the position is the ring slot of the logical index held there."""
+        env; position p of an env is the ring slot SB3 would use, i.e. the held index i with
+        ``(i - origin) % buffer_size == p`` (``origin``: the env's index at the last reset)."""
         upper = int(windows.sizes.min())
         if upper <= 0:
             raise EmptyBufferError("cannot sample: the replay buffer holds no transitions yet")
         positions = np.random.randint(0, upper, size=batch_size)
         lanes = np.random.randint(0, high=self.n_envs, size=(batch_size,))
         lo = windows.lo[lanes]
-        return Draw(lanes.astype(np.int64), lo + (positions - lo) % self.buffer_size)
+        return Draw(lanes.astype(np.int64),
+                    lo + (positions + self._origin[lanes] - lo) % self.buffer_size)
 
     def _generator(self) -> np.random.Generator:
         if self._rng is None:  # seeded from SB3's seed (set_random_seed seeds np.random)
@@ -256,11 +259,12 @@ class _SharedReplay:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Empty the buffer (SB3's ``reset``): the writer is reopened on the emptied lanes."""
+        """Empty the buffer (SB3's ``reset``). The writer stays open (``clear()`` empties its
+        lanes under it), and so may writers of other handles or processes; positions count
+        from the rows written after the reset, as in SB3's own buffer."""
         self._close_pool()
-        self._writer.close()
         self._shared.clear()
-        self._writer = self._open_writer()
+        self._origin = self._shared.windows().lo.copy()  # each lane's first index from now on
         self._last_next_obs = None
         self.pos, self.full = 0, False
 
@@ -284,6 +288,7 @@ class _SharedReplay:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         contents = state.pop("_shared_state")
+        self._origin = np.zeros(state["n_envs"], np.int64)  # (pickled before it existed)
         self.__dict__.update(state)
         self._open(None, contents)
 

@@ -2,6 +2,9 @@
 seqlock and compacted, with the episode records; and the restore that writes them back.
 
 Both checkpoint forms (``directory``, ``state``) take and restore a buffer only through here.
+A snapshot holds nothing below a lane's floor (``clear()`` under a live writer): rows are read
+through ``storage.windows()`` and records that began below it are left out; a restore sets
+every floor it rewrites back to 0 (``restore_lane``, under ``LOCK_CLEAR``).
 """
 
 from __future__ import annotations
@@ -200,6 +203,8 @@ def take_records(storage: BufferStorage) -> Records:
         [table.start.copy(), table.length.copy(), table.flags.copy()],
         {n: table.data[n].copy() for n in fields}))
     lanes = rows // table.capacity
+    above = table.above_floor(columns[0][rows], lanes)  # records cleared under a live writer
+    rows, ids, lanes = rows[above], ids[above], lanes[above]
     order = np.lexsort((ids, lanes))
     rows = rows[order]
     records = np.stack([lanes[order], ids[order], *(c[rows] for c in columns)], axis=1)
