@@ -29,6 +29,7 @@ from shmbuf.limiter import RateLimit
 
 from .cluster_batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
 from .cluster_nodes import NodeLostError, NodeLostWarning
+from .cluster_rate import Report, cluster_report
 from .cluster_sources import Chunk, NodeLost, open_sources
 from .config import beta_schedule
 
@@ -56,8 +57,10 @@ class ClusterSampler:
         workers_per_node: sampler processes of each node's pool (0: in the host's process).
         min_size: sampling waits until the cluster holds this many rows in all.
         samples_per_insert: ``(ratio, tolerance)`` over the whole cluster: the learner waits
-            while rows delivered exceed ``ratio`` times rows inserted on all nodes (plus
-            ``min_size * ratio + tolerance``).
+            while rows delivered run ahead of ``ratio`` times rows inserted on all nodes, and
+            every node's writers wait while the inserts run ahead (each by ``min_size * ratio
+            +/- tolerance``, as ``SamplerPool``'s). Writers learn the cluster's counts from the
+            learner's calls to their node (``cluster_rate.NodeLimit``).
         seed: seeds the split and every node's pool.
         timeout: default seconds ``next()`` waits.
         strict: a lost node raises ``NodeLostError`` (default: dropped, ``NodeLostWarning``).
@@ -92,21 +95,22 @@ class ClusterSampler:
         self._rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
         self.pool_id = secrets.token_hex(4)
         self.node_ids = list(cluster.node_ids)
+        n = len(self.node_ids)
+        self.rows_from = np.zeros(n, np.int64)
         self._closed = False
         self._held: ClusterBatch | None = None
         self._sources: list[Any] = []  # None once a node is dropped
         try:
             open_sources(cluster, self._sources, self.pool_id, pool_kwargs, seed,
-                         positive_int("prefetch_calls", prefetch_calls), wait_s, self.timeout)
+                         positive_int("prefetch_calls", prefetch_calls), wait_s, self.timeout,
+                         self.limit, self._report)
         except BaseException:
             self.close()
             raise
-        n = len(self._sources)
         self._current: list[Chunk | None] = [None] * n
         self._out = BatchBuffer(cluster.spec, self.fields, self.batch_size)
         self._queue = QueueCursors(n, int(getattr(cluster, "lanes_per_node", 1)))
         self._priorities = PriorityRouter(self._sources)
-        self.rows_from = np.zeros(n, np.int64)
         self.batches = 0
         self.dropped: list[str] = []
         self._turn = 0
@@ -179,6 +183,17 @@ class ClusterSampler:
                           f"(min_size {self.min_size}), {inserts} inserted, "
                           f"{int(self.rows_from.sum())} sampled; limit {self.limit}")
             self._poll_all()
+
+    def _report(self, k: int) -> Report | None:
+        """What node k's writers are held to (None without ``samples_per_insert``): sent with
+        every call to its host, applied in this process for the learner's own node."""
+        if self.limit is None:
+            return None
+        committed = [0] * len(self.node_ids)  # 0: dropped, or not opened yet
+        for j, src in enumerate(self._sources):
+            if src is not None:
+                committed[j] = src.committed()
+        return cluster_report(committed, k, int(self.rows_from.sum()))
 
     def _poll_all(self) -> None:
         t0 = time.perf_counter()
