@@ -7,7 +7,10 @@ it closes its sampler.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ ray = pytest.importorskip("ray")
 import shmbuf  # noqa: E402
 from shmbuf.limiter import RateLimit  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
-from workers.cluster import ReplayCluster  # noqa: E402
+from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
 from workers.cluster_rate import NodeLimit, cluster_report  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -33,9 +36,9 @@ def nodes():
 
 
 def committed(cluster: ReplayCluster) -> np.ndarray:
-    """Rows committed on each node now (the hosts read their lanes' words)."""
-    info = cluster.info()
-    return np.array([info[n]["committed"] for n in cluster.node_ids], np.int64)
+    """Rows committed on each node now (its lanes' words, read through shared memory: the
+    nodes share this machine, and a node's buffer outlives its host)."""
+    return np.array([cluster.buffer(n).committed().sum() for n in cluster.node_ids], np.int64)
 
 
 def excess(inserts: int, samples: int) -> float:
@@ -131,6 +134,40 @@ def test_writers_are_free_until_the_cluster_holds_min_size(nodes):
             finally:
                 ray.get([w.stop.remote() for w in writers], timeout=30)
                 ray.get(runs, timeout=30)
+
+
+@pytest.mark.ray
+def test_a_restarted_host_holds_its_writers_again(nodes):
+    """A SIGKILLed host lifts its node's limit (as a dead pool does); the restarted host
+    re-adopts the segment and the learner's next call sets the limit again."""
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
+                       nodes=nodes, host_restarts=1) as cluster:
+        sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
+                                  seed=6, timeout=90)
+        writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
+                   for k, n in enumerate(cluster.node_ids)]
+        runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+        try:
+            for _ in range(20):
+                sampler.next()
+                time.sleep(0.02)
+            time.sleep(1.0)
+            held = committed(cluster)
+            os.kill(cluster.info()[nodes[2]]["pid"], signal.SIGKILL)
+            cp.wait_for(lambda: committed(cluster)[2] > held[2] + 2000, 60,
+                        "node 2's writer to run free while its host is down")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", HostRestartedWarning)
+                while sampler.stats()["nodes"][2]["host_restarts"] == 0:
+                    sampler.next()
+            # The cluster is far past its limit now (node 2 ran free): every node stands.
+            time.sleep(1.0)
+            before, after = still(cluster, 1.0)
+            assert (after == before).all(), (before, after)
+        finally:
+            sampler.close()
+            ray.get([w.stop.remote() for w in writers], timeout=30)
+            ray.get(runs, timeout=30)
 
 
 def test_node_limit_counts_the_cluster():
