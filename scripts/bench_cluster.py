@@ -242,7 +242,7 @@ def bench_cluster(spec: dict, nodes: list[str], cap: int, seconds: float,
                     time.sleep(1.0)  # the learner stopped: writers stop where it left them
                     at_rest = inserts() * spi[0] - s1 - RateLimit(1, *spi).max_diff
                     limits = {"samples_per_insert": (s1 - s0) / max(i1 - i0, 1),
-                              "excess_at_rest": at_rest}
+                              "excess_at_rest": at_rest, "window_inserts_per_s": (i1 - i0) / took}
                 got = sum(x["bytes_received"] for x in st["nodes"]) - sum(
                     x["bytes_received"] for x in st0["nodes"])
                 return {"batches_per_s": n / took,
@@ -297,7 +297,11 @@ def report(rows: list[dict]) -> list[dict]:
         print(f"\n{wl} (batch {BATCH}, {by['numpy gather']['batch_mb']:.3f} MB):")
         for row, r in by.items():
             extra = []
-            if "inserts_per_s" in r:
+            if "window_inserts_per_s" in r:  # the writers' counts also span the rest after
+                each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
+                extra.append(f"inserts/s {r['window_inserts_per_s']:,.0f} (share per node as "
+                             f"{each})")
+            elif "inserts_per_s" in r:
                 each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
                 extra.append(f"inserts/s {r['inserts_per_s']:,.0f} ({each})")
             if "samples_per_insert" in r:

@@ -115,14 +115,15 @@ class Limiter:
     before they draw (once per batch, on every sampling path: worker draws, learner-selected
     rows, in-process) and ``record_samples`` once the batch is gathered; the pool that drives
     the limit ``take``s it, then ``configure``s, ``set_queue``s and ``deactivate``s it, and
-    reads ``blocked_reason`` and ``stats``.
+    reads ``blocked_reason`` and ``stats`` (a holder whose counts are kept elsewhere sets them
+    with ``set_counts``).
 
     Concurrency (who writes which word; everyone else only loads):
 
     - the config lines (``LIM_SPI``, ``LIM_MIN_DIFF``, ``LIM_MAX_DIFF``, ``LIM_MIN_SIZE``,
       ``LIM_INSERTS_BASE``, ``LIM_N_SAMPLERS``, ``LIM_ACTIVE``, ``LIM_QUEUE``,
       ``LIM_GENERATION``): only the process holding ``LOCK_LIMITER`` (``take``), through
-      ``configure``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
+      ``configure``, ``set_counts``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
       a writer that sees the generation it read before may keep the room it was granted;
     - sampler counter j (``layout.sampler_counter(j)``): only the process holding sampler slot
       j of the limiting pool (worker j, or the in-process pool as sampler 0), through

@@ -6,7 +6,7 @@ makes to the node anyway (``NodeLimit``, and the report ``cluster_report`` compu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shmbuf import ReplayBuffer
 from shmbuf.limiter import RateLimit
@@ -23,6 +23,17 @@ def cluster_report(committed: Sequence[int], node: int, samples: int) -> Report:
     """The report for node ``node``, from every node's rows committed as the learner last saw
     them (0 for a dropped node: its rows no longer count, as in the learner's own check)."""
     return int(sum(committed)) - int(committed[node]), int(samples)
+
+
+def node_report(limit: RateLimit | None, sources: Sequence[Any], node: int,
+                samples: int) -> Report | None:
+    """The report for node ``node`` from the learner's sources (each with ``committed()``;
+    None once dropped), or None without a limit. Sources not opened yet count nothing."""
+    if limit is None:
+        return None
+    committed = [0 if src is None else src.committed() for src in sources]
+    committed += [0] * (node + 1 - len(committed))
+    return cluster_report(committed, node, samples)
 
 
 class NodeLimit:

@@ -29,7 +29,7 @@ from shmbuf.limiter import RateLimit
 
 from .cluster_batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
 from .cluster_nodes import NodeLostError, NodeLostWarning
-from .cluster_rate import Report, cluster_report
+from .cluster_rate import Report, node_report
 from .cluster_sources import Chunk, NodeLost, open_sources
 from .config import beta_schedule
 
@@ -56,11 +56,9 @@ class ClusterSampler:
         prefetch_calls: calls kept in flight per remote node.
         workers_per_node: sampler processes of each node's pool (0: in the host's process).
         min_size: sampling waits until the cluster holds this many rows in all.
-        samples_per_insert: ``(ratio, tolerance)`` over the whole cluster: the learner waits
-            while rows delivered run ahead of ``ratio`` times rows inserted on all nodes, and
-            every node's writers wait while the inserts run ahead (each by ``min_size * ratio
-            +/- tolerance``, as ``SamplerPool``'s). Writers learn the cluster's counts from the
-            learner's calls to their node (``cluster_rate.NodeLimit``).
+        samples_per_insert: ``(ratio, tolerance)`` over the whole cluster, as ``SamplerPool``'s:
+            the learner waits while its samples run ahead of all nodes' inserts, every node's
+            writers while the inserts run ahead (``cluster_rate.NodeLimit``).
         seed: seeds the split and every node's pool.
         timeout: default seconds ``next()`` waits.
         strict: a lost node raises ``NodeLostError`` (default: dropped, ``NodeLostWarning``).
@@ -94,9 +92,8 @@ class ClusterSampler:
         self._cluster = cluster
         self._rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
         self.pool_id = secrets.token_hex(4)
-        self.node_ids = list(cluster.node_ids)
-        n = len(self.node_ids)
-        self.rows_from = np.zeros(n, np.int64)
+        self.node_ids, n = list(cluster.node_ids), len(cluster.node_ids)
+        self.rows_from = np.zeros(n, np.int64)  # rows delivered, per node
         self._closed = False
         self._held: ClusterBatch | None = None
         self._sources: list[Any] = []  # None once a node is dropped
@@ -113,8 +110,7 @@ class ClusterSampler:
         self._priorities = PriorityRouter(self._sources)
         self.batches = 0
         self.dropped: list[str] = []
-        self._turn = 0
-        self._polled = 0.0
+        self._turn, self._polled = 0, 0.0  # the queue's next node; when counts were polled
         self._wait_s = 0.0  # blocked in admission (min_size, rate limit) and the queue's polls
         self._next_s = 0.0  # all of next(): the waits plus drawing and copying rows
         self._started = time.monotonic()
@@ -185,15 +181,8 @@ class ClusterSampler:
             self._poll_all()
 
     def _report(self, k: int) -> Report | None:
-        """What node k's writers are held to (None without ``samples_per_insert``): sent with
-        every call to its host, applied in this process for the learner's own node."""
-        if self.limit is None:
-            return None
-        committed = [0] * len(self.node_ids)  # 0: dropped, or not opened yet
-        for j, src in enumerate(self._sources):
-            if src is not None:
-                committed[j] = src.committed()
-        return cluster_report(committed, k, int(self.rows_from.sum()))
+        """What node k's writers are held to, sent with every call to it (``cluster_rate``)."""
+        return node_report(self.limit, self._sources, k, int(self.rows_from.sum()))
 
     def _poll_all(self) -> None:
         t0 = time.perf_counter()
