@@ -48,7 +48,8 @@ from workers import SamplerPool  # noqa: E402
 from workers.cluster import ReplayCluster, current_node_id, on_node  # noqa: E402
 from workers.cluster_demo import start_local_cluster  # noqa: E402
 
-WORKLOADS = {"atari": {"obs": ((4, 84, 84), "uint8")}, "mujoco": {"obs": ((42,), "float32")}}
+WORKLOADS: dict[str, dict[str, Any]] = {"atari": {"obs": ((4, 84, 84), "uint8")},
+                                         "mujoco": {"obs": ((42,), "float32")}}
 CAPACITY = {"atari": 4096, "mujoco": 200_000}  # rows per node
 BATCH = 256
 CHUNK = 64  # rows per writer extend

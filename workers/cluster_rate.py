@@ -59,7 +59,6 @@ class NodeLimit:
     def __init__(self, buffer: ReplayBuffer, limit: RateLimit,
                  report: Report | None = None) -> None:
         self.limiter = buffer.storage.limiter
-        self.reports = 0
         self.lease: Lease | None = self.limiter.take()
         try:
             self.limiter.configure(limit, n_samplers=1)
@@ -74,7 +73,6 @@ class NodeLimit:
         """Count the cluster's inserts and samples of ``report`` from now on."""
         inserts_elsewhere, samples = report
         self.limiter.set_counts(inserts_elsewhere, samples)
-        self.reports += 1
 
     def release(self) -> None:
         """Lift the limit (writers resume at once) and let the lock go. Idempotent."""
