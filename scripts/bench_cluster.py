@@ -16,6 +16,9 @@ All rows in one run, per workload (atari: uint8 4x84x84, 7.2 MB a batch; mujoco:
                     over 3 nodes with no writers (like for like with Ray's raw rows)
   cluster, busy     3 nodes, no writers, the learner computing between batches for 1.5x the
                     free-running batch time (the hosts keep up): the learner's wait per batch
+  cluster, spi      3 nodes, one writer per node, ``samples_per_insert=(1, 16 batches)``: the
+                    samples per insert over the window (writers held on every node), and how
+                    far the inserts stand past the limit once the learner stops
 
     python scripts/bench_cluster.py [--quick] [--seconds S] [--workloads atari,mujoco] [--json P]
 """
@@ -39,14 +42,18 @@ except ModuleNotFoundError:  # run by path: benchlib is beside it
 import ray  # noqa: E402
 
 from shmbuf import ReplayBuffer, Spec  # noqa: E402
+from shmbuf.errors import ClosedError  # noqa: E402
+from shmbuf.limiter import RateLimit  # noqa: E402
 from workers import SamplerPool  # noqa: E402
 from workers.cluster import ReplayCluster, current_node_id, on_node  # noqa: E402
 from workers.cluster_demo import start_local_cluster  # noqa: E402
 
-WORKLOADS = {"atari": {"obs": ((4, 84, 84), "uint8")}, "mujoco": {"obs": ((42,), "float32")}}
+WORKLOADS: dict[str, dict[str, Any]] = {"atari": {"obs": ((4, 84, 84), "uint8")},
+                                         "mujoco": {"obs": ((42,), "float32")}}
 CAPACITY = {"atari": 4096, "mujoco": 200_000}  # rows per node
 BATCH = 256
 CHUNK = 64  # rows per writer extend
+SPI = (1.0, 16.0 * BATCH)  # the samples_per_insert row's (ratio, tolerance)
 LINK_GBPS = 25.0  # the link the report extrapolates to
 
 
@@ -78,8 +85,12 @@ class Writer:
             return self.n
         buf = ReplayBuffer.attach(target) if kind == "name" else target.buffer()
         with buf.writer(timeout=10.0) as w:
+            w.stop_when = lambda: self.stopping  # a stop ends a wait on the rate limiter
             while not self.stopping:
-                w.extend(self.rows)
+                try:
+                    w.extend(self.rows)
+                except ClosedError:
+                    break
                 self.n += CHUNK
         return self.n
 
@@ -192,6 +203,8 @@ def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool
             bench_cluster(spec, nodes[:k], cap, seconds, train_ms=0.0))
     add("cluster 3 nodes, no writers", bench_cluster(spec, nodes, cap, seconds, train_ms=0.0,
                                                      writers=False))
+    add(f"cluster 3 nodes, 1 writer each, samples_per_insert {SPI[0]:g}",
+        bench_cluster(spec, nodes, cap, seconds, train_ms=0.0, spi=SPI))
     ref = next(r for r in out if r["row"] == "cluster 3 nodes, 1 writer each")
     busy_ms = 1.5e3 / max(ref["batches_per_s"], 1e-3)  # 1.5x the free-running batch time
     add(f"cluster 3 nodes, no writers, learner busy {busy_ms:.1f} ms",
@@ -200,15 +213,21 @@ def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool
 
 
 def bench_cluster(spec: dict, nodes: list[str], cap: int, seconds: float,
-                  train_ms: float, writers: bool = True) -> dict[str, Any]:
+                  train_ms: float, writers: bool = True,
+                  spi: tuple[float, float] | None = None) -> dict[str, Any]:
     with ReplayCluster(spec, capacity_per_node=cap, lanes_per_node=1, nodes=nodes) as cluster:
         for node in nodes:  # a few batches' worth on every node before the clock starts
             ray.get(_prefill.options(**on_node(node)).remote(cluster, spec, BATCH * 4),
                     timeout=120)
-        with cluster.sampler(BATCH, seed=0) as sampler:
+
+        def inserts() -> int:  # every node's rows, as the hosts read them now
+            return sum(i["committed"] for i in cluster.info().values())
+
+        with cluster.sampler(BATCH, seed=0, samples_per_insert=spi) as sampler:
             def learn(s: float) -> dict[str, Any]:
                 sampler.next()
                 st0 = sampler.stats()
+                i0, s0 = inserts(), int(sampler.rows_from.sum())
                 t0 = time.perf_counter()
                 n = 0
                 while time.perf_counter() - t0 < s:
@@ -218,6 +237,13 @@ def bench_cluster(spec: dict, nodes: list[str], cap: int, seconds: float,
                     n += 1
                 took = time.perf_counter() - t0
                 st = sampler.stats()
+                limits = {}
+                if spi is not None:  # samples per insert over the window, and at rest
+                    i1, s1 = inserts(), int(sampler.rows_from.sum())
+                    time.sleep(1.0)  # the learner stopped: writers stop where it left them
+                    at_rest = inserts() * spi[0] - s1 - RateLimit(1, *spi).max_diff
+                    limits = {"samples_per_insert": (s1 - s0) / max(i1 - i0, 1),
+                              "excess_at_rest": at_rest, "window_inserts_per_s": (i1 - i0) / took}
                 got = sum(x["bytes_received"] for x in st["nodes"]) - sum(
                     x["bytes_received"] for x in st0["nodes"])
                 return {"batches_per_s": n / took,
@@ -226,7 +252,7 @@ def bench_cluster(spec: dict, nodes: list[str], cap: int, seconds: float,
                         "next_ms_per_batch": 1e3 * (st["learner_next_s"] - st0["learner_next_s"])
                         / max(n, 1),
                         "ray_bytes_per_batch": got / max(n, 1),
-                        "rows_per_call": sampler.rows_per_call}
+                        "rows_per_call": sampler.rows_per_call, **limits}
 
             if not writers:
                 return learn(seconds)
@@ -272,9 +298,17 @@ def report(rows: list[dict]) -> list[dict]:
         print(f"\n{wl} (batch {BATCH}, {by['numpy gather']['batch_mb']:.3f} MB):")
         for row, r in by.items():
             extra = []
-            if "inserts_per_s" in r:
+            if "window_inserts_per_s" in r:  # the writers' counts also span the rest after
+                each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
+                extra.append(f"inserts/s {r['window_inserts_per_s']:,.0f} (share per node as "
+                             f"{each})")
+            elif "inserts_per_s" in r:
                 each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
                 extra.append(f"inserts/s {r['inserts_per_s']:,.0f} ({each})")
+            if "samples_per_insert" in r:
+                extra.append(f"{r['samples_per_insert']:.3f} samples per insert; at rest the "
+                             f"inserts stand {r['excess_at_rest'] / SPI[0]:+,.0f} rows from the "
+                             f"limit (tolerance {SPI[1] / SPI[0]:,.0f})")
             if "wait_ms_per_batch" in r:
                 extra.append(f"wait {r['wait_ms_per_batch']:.3f} ms/batch (next() "
                              f"{r['next_ms_per_batch']:.3f} ms in all)")
@@ -303,6 +337,11 @@ def report(rows: list[dict]) -> list[dict]:
         targets.append({"workload": wl, "what": "inserts per node / 3 lone writers' per writer",
                         "value": np.mean(c3["inserts_per_s_each"]) / np.mean(three),
                         "target": None})
+        held = next(r for k, r in by.items() if "samples_per_insert" in k)
+        targets.append({"workload": wl, "what": f"samples per insert, spi {SPI[0]:g}, 3 nodes",
+                        "value": held["samples_per_insert"], "target": None})
+        targets.append({"workload": wl, "what": "inserts past the limit at rest / tolerance",
+                        "value": held["excess_at_rest"] / SPI[1], "target": None})
         targets.append({"workload": wl, "what": "learner wait when hosts keep up (ms/batch)",
                         "value": next(r for k, r in by.items() if "busy" in k)["wait_ms_per_batch"],
                         "target": 0.1, "lower_is_better": True})

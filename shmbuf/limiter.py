@@ -115,18 +115,21 @@ class Limiter:
     before they draw (once per batch, on every sampling path: worker draws, learner-selected
     rows, in-process) and ``record_samples`` once the batch is gathered; the pool that drives
     the limit ``take``s it, then ``configure``s, ``set_queue``s and ``deactivate``s it, and
-    reads ``blocked_reason`` and ``stats``.
+    reads ``blocked_reason`` and ``stats`` (a holder whose counts are kept elsewhere sets them
+    with ``set_counts``).
 
     Concurrency (who writes which word; everyone else only loads):
 
     - the config lines (``LIM_SPI``, ``LIM_MIN_DIFF``, ``LIM_MAX_DIFF``, ``LIM_MIN_SIZE``,
       ``LIM_INSERTS_BASE``, ``LIM_N_SAMPLERS``, ``LIM_ACTIVE``, ``LIM_QUEUE``,
       ``LIM_GENERATION``): only the process holding ``LOCK_LIMITER`` (``take``), through
-      ``configure``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
+      ``configure``, ``set_counts``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
       a writer that sees the generation it read before may keep the room it was granted;
     - sampler counter j (``layout.sampler_counter(j)``): only the process holding sampler slot
       j of the limiting pool (worker j, or the in-process pool as sampler 0), through
-      ``record_samples``; ``configure`` zeroes them before it activates the limit;
+      ``record_samples``; ``configure`` zeroes them before it activates the limit; a holder of
+      ``LOCK_LIMITER`` whose samples are counted elsewhere (a ``ReplayCluster`` host) is
+      sampler 0's holder and sets it, with ``LIM_INSERTS_BASE``, through ``set_counts``;
     - inserts are the lanes' ``committed`` words, each stored by its lane's writer (``slots``);
       in queue mode ``LANE_RELEASED`` is stored by the queue's pool (``workers.selection``);
       a lane's floor (``CLEARED_BELOW_WORD``) by ``clear()``: rows below it are neither held
@@ -365,6 +368,17 @@ class Limiter:
         q[self._word(L.LIM_ACTIVE)] = 1
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
         return origin
+
+    def set_counts(self, inserts_elsewhere: int, samples: int) -> None:
+        """Count inserts as this buffer's committed rows (all ever) plus ``inserts_elsewhere``,
+        and ``samples`` rows as sampled (a limit configured for one sampler): for a limit whose
+        counts are kept elsewhere, e.g. a ``ReplayCluster`` node holding its writers to the
+        cluster-wide counts the learner reports. Bumps the generation: writers recheck the
+        room granted before, which may have shrunk."""
+        q = self._q
+        q[self._word(L.LIM_INSERTS_BASE)] = -int(inserts_elsewhere)
+        q[self._ctr] = int(samples)  # second: a reader between the two stores is held stricter
+        q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
 
     def deactivate(self) -> None:
         """Lift every limit (ratio and queue)."""

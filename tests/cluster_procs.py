@@ -113,25 +113,43 @@ def writer_node_error(client: Any) -> str:
 @ray.remote(num_cpus=0, max_concurrency=2)
 class RowWriter:
     """Writes self-checking rows as fast as it can (``extend`` of ``chunk`` rows) on one lane of
-    its node until ``stop()``; reports its pid and rows written."""
+    its node until ``stop()``; reports its pid, rows written and the waits on the rate limiter
+    that ran out (``RateLimitTimeout``: the extend wrote nothing and is tried again)."""
 
     def __init__(self, client: Any, node_index: int, lanes_per_node: int) -> None:
         self.client, self.node_index, self.lanes = client, node_index, lanes_per_node
         self.stopping = False
         self.written = 0
+        self.timeouts = 0
 
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, chunk: int = 64, max_rows: int = 1 << 62, lane: int | None = None) -> int:
-        with self.client.writer(lane=lane, timeout=10.0) as w:
+    def run(self, chunk: int = 64, max_rows: int = 1 << 62, lane: int | None = None,
+            insert_timeout: float = 10.0) -> int:
+        from shmbuf.errors import ClosedError, RateLimitTimeout
+
+        with self.client.writer(lane=lane, timeout=10.0, insert_timeout=insert_timeout) as w:
+            w.stop_when = lambda: self.stopping  # a stop also ends a wait on the limiter
             rows = ShiftedBatches(ROWS, global_lane(self.node_index, w.lane, self.lanes), chunk)
             i = int(self.client.buffer().committed(w.lane))
             while not self.stopping and self.written < max_rows:
-                w.extend(rows.make(i, chunk))
+                try:
+                    w.extend(rows.make(i, chunk))
+                except RateLimitTimeout:
+                    self.timeouts += 1
+                    continue
+                except ClosedError:
+                    if self.stopping:
+                        break
+                    raise
                 i += chunk
                 self.written += chunk
         return self.written
+
+    def progress(self) -> tuple[int, int]:
+        """(rows written, rate-limiter waits that timed out)."""
+        return self.written, self.timeouts
 
     def stop(self) -> int:
         self.stopping = True

@@ -17,6 +17,7 @@ import ray
 from shmbuf import Spec, segment
 from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.errors import ClosedError
+from shmbuf.scan import scan
 
 from .cluster_actors import ClusterActorContext, ClusterActors
 from .cluster_host import NodeHost, remove_leaked_segments
@@ -162,10 +163,12 @@ class ReplayCluster(ClusterClient):
             sampler.close()
         refs = {n: h.close.remote(timeout=min(timeout, 5.0)) for n, h in self.hosts.items()}
         deadline = time.monotonic() + timeout
+        unclosed = 0
         for node, ref in refs.items():
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - a dead host: its segment is cleaned below
+                unclosed += 1
                 warnings.warn(f"host on node {node[:12]} did not close: {type(e).__name__}",
                               RuntimeWarning, stacklevel=2)
         for host in self.hosts.values():
@@ -175,6 +178,16 @@ class ReplayCluster(ClusterClient):
                 pass
         detach_all(f"{NAME_PREFIX}{self.tag}-")
         self.remove_leaked()
+        # A host killed above (it did not close in time) leaves its segment once its process
+        # has exited, which ray.kill does not wait for: remove it then, within the timeout.
+        while unclosed and self._segments_here() and time.monotonic() < deadline + timeout:
+            time.sleep(0.1)
+            self.remove_leaked()
+
+    def _segments_here(self) -> list[str]:
+        """This cluster's node buffers in this machine's /dev/shm."""
+        prefix = f"{NAME_PREFIX}{self.tag}-"
+        return [i.name for i in scan() if i.name.startswith(prefix)]
 
     def remove_leaked(self) -> list[str]:
         """Unlink what dead hosts of this cluster left on this machine (a node removed while its

@@ -14,10 +14,12 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
+from shmbuf.limiter import RateLimit
 from shmbuf.scan import scan
 from shmbuf.shmdir import unlink
 from shmbuf.storage import BufferStorage
 
+from .cluster_rate import Report
 from .cluster_sources import NodePool
 
 ADOPT_WAIT_S = 10.0  # how long a restarted host waits for its dead predecessor's lease to drop
@@ -89,25 +91,33 @@ class NodeHost:
                 "name": buf.name, "adopted": self.adopted, "size": len(buf),
                 "committed": int(np.sum(buf.committed())), "pools": sorted(self.pools)}
 
-    def open_pool(self, pool_id: str, pool_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Start the pool ``pool_id`` (idempotent); its counts, this host's pid and whether the
+    def open_pool(self, pool_id: str, pool_kwargs: dict[str, Any], limit: RateLimit | None = None,
+                  report: Report | None = None) -> dict[str, Any]:
+        """Start the pool ``pool_id`` (idempotent), holding the node's writers to the cluster's
+        ``limit`` from the learner's ``report`` on; its counts, this host's pid and whether the
         buffer was adopted."""
         if pool_id not in self.pools:
-            self.pools[pool_id] = NodePool(self.buffer, pool_kwargs)
+            self.pools[pool_id] = NodePool(self.buffer, pool_kwargs, limit, report)
+        else:
+            self.pools[pool_id].report(report)
         return {**self.pools[pool_id].counts(), "pid": os.getpid(), "adopted": self.adopted}
 
-    def fetch(self, pool_id: str, wait_s: float) -> dict[str, Any]:
+    def fetch(self, pool_id: str, wait_s: float, report: Report | None = None) -> dict[str, Any]:
         """One batch of the pool's rows (``rows`` 0 if none came within ``wait_s``) with the
-        node's counts. The arrays are the pool's staging views: Ray copies them into the object
-        store when this call returns, before the slot can be refilled."""
+        node's counts; the learner's ``report`` first sets the node's rate limit. The arrays are
+        the pool's staging views: Ray copies them into the object store when this call returns,
+        before the slot can be refilled."""
         pool = self.pools.get(pool_id)
         if pool is None:  # e.g. this host restarted: the learner opens it again
             return {"rows": 0, "missing": True, "pid": os.getpid()}
+        pool.report(report)
         return pool.next_reply(wait_s)
 
-    def counts(self, pool_id: str) -> dict[str, Any]:
-        """The pool's node counts (for the split), without rows."""
+    def counts(self, pool_id: str, report: Report | None = None) -> dict[str, Any]:
+        """The pool's node counts (for the split), without rows; ``report`` as in ``fetch``."""
         pool = self.pools.get(pool_id)
+        if pool is not None:
+            pool.report(report)
         out = {} if pool is None else pool.counts()
         return {**out, "pid": os.getpid()}
 

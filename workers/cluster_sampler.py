@@ -29,6 +29,7 @@ from shmbuf.limiter import RateLimit
 
 from .cluster_batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
 from .cluster_nodes import NodeLostError, NodeLostWarning
+from .cluster_rate import Report, node_report
 from .cluster_sources import Chunk, NodeLost, open_sources
 from .config import beta_schedule
 
@@ -55,9 +56,9 @@ class ClusterSampler:
         prefetch_calls: calls kept in flight per remote node.
         workers_per_node: sampler processes of each node's pool (0: in the host's process).
         min_size: sampling waits until the cluster holds this many rows in all.
-        samples_per_insert: ``(ratio, tolerance)`` over the whole cluster: the learner waits
-            while rows delivered exceed ``ratio`` times rows inserted on all nodes (plus
-            ``min_size * ratio + tolerance``).
+        samples_per_insert: ``(ratio, tolerance)`` over the whole cluster, as ``SamplerPool``'s:
+            the learner waits while its samples run ahead of all nodes' inserts, every node's
+            writers while the inserts run ahead (``cluster_rate.NodeLimit``).
         seed: seeds the split and every node's pool.
         timeout: default seconds ``next()`` waits.
         strict: a lost node raises ``NodeLostError`` (default: dropped, ``NodeLostWarning``).
@@ -91,26 +92,25 @@ class ClusterSampler:
         self._cluster = cluster
         self._rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
         self.pool_id = secrets.token_hex(4)
-        self.node_ids = list(cluster.node_ids)
+        self.node_ids, n = list(cluster.node_ids), len(cluster.node_ids)
+        self.rows_from = np.zeros(n, np.int64)  # rows delivered, per node
         self._closed = False
         self._held: ClusterBatch | None = None
         self._sources: list[Any] = []  # None once a node is dropped
         try:
             open_sources(cluster, self._sources, self.pool_id, pool_kwargs, seed,
-                         positive_int("prefetch_calls", prefetch_calls), wait_s, self.timeout)
+                         positive_int("prefetch_calls", prefetch_calls), wait_s, self.timeout,
+                         self.limit, self._report)
         except BaseException:
             self.close()
             raise
-        n = len(self._sources)
         self._current: list[Chunk | None] = [None] * n
         self._out = BatchBuffer(cluster.spec, self.fields, self.batch_size)
         self._queue = QueueCursors(n, int(getattr(cluster, "lanes_per_node", 1)))
         self._priorities = PriorityRouter(self._sources)
-        self.rows_from = np.zeros(n, np.int64)
         self.batches = 0
         self.dropped: list[str] = []
-        self._turn = 0
-        self._polled = 0.0
+        self._turn, self._polled = 0, 0.0  # the queue's next node; when counts were polled
         self._wait_s = 0.0  # blocked in admission (min_size, rate limit) and the queue's polls
         self._next_s = 0.0  # all of next(): the waits plus drawing and copying rows
         self._started = time.monotonic()
@@ -179,6 +179,10 @@ class ClusterSampler:
                           f"(min_size {self.min_size}), {inserts} inserted, "
                           f"{int(self.rows_from.sum())} sampled; limit {self.limit}")
             self._poll_all()
+
+    def _report(self, k: int) -> Report | None:
+        """What node k's writers are held to, sent with every call to it (``cluster_rate``)."""
+        return node_report(self.limit, self._sources, k, int(self.rows_from.sum()))
 
     def _poll_all(self) -> None:
         t0 = time.perf_counter()

@@ -6,10 +6,12 @@ what both run on their node: the pool, plus what its priority table says about t
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,12 @@ import ray
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import Timeout
+from shmbuf.limiter import RateLimit
 from shmbuf.priority import PriorityTable
 from shmbuf.scan import scan
 
 from .cluster_nodes import HostRestartedWarning, call_actor, current_node_id, node_alive
+from .cluster_rate import NodeLimit, Report
 from .pool import SamplerPool
 
 _NO_ROWS = np.empty(0, np.int64)
@@ -38,7 +42,8 @@ def _priority_tables(buffer_name: str) -> set[str]:
 
 
 class NodePool:
-    """A ``SamplerPool`` over a node's buffer and the counts the learner splits batches by.
+    """A ``SamplerPool`` over a node's buffer and the counts the learner splits batches by;
+    with a cluster-wide ``limit``, the ``NodeLimit`` that holds the node's writers to it.
 
     For a prioritized pool it also reads (never writes) the pool's priority table: each drawn
     row's stored priority ``(p + eps) ** alpha``, the node's total and smallest one, so the
@@ -48,19 +53,28 @@ class NodePool:
     this view loads words of it, as the pool's workers do.
     """
 
-    def __init__(self, buffer: ReplayBuffer | str, pool_kwargs: dict[str, Any]) -> None:
+    def __init__(self, buffer: ReplayBuffer | str, pool_kwargs: dict[str, Any],
+                 limit: RateLimit | None = None, report: Report | None = None) -> None:
         name = buffer if isinstance(buffer, str) else buffer.name
         before = _priority_tables(name) if pool_kwargs.get("sampler") == "prioritized" else None
         self.pool = SamplerPool(buffer, **pool_kwargs)
         self.buffer = self.pool.buffer
         self.table: PriorityTable | None = None
-        if before is not None:
-            try:
+        self.limit: NodeLimit | None = None
+        try:
+            if before is not None:
                 (table_name,) = _priority_tables(name) - before
                 self.table = PriorityTable.attach(table_name)
-            except BaseException:
-                self.pool.close()
-                raise
+            if limit is not None:
+                self.limit = NodeLimit(self.buffer, limit, report)
+        except BaseException:
+            self.close()
+            raise
+
+    def report(self, report: Report | None) -> None:
+        """The learner's cluster-wide counts, for the node's writers (None: no limit)."""
+        if report is not None and self.limit is not None:
+            self.limit.apply(report)
 
     def counts(self) -> dict[str, Any]:
         """Rows held, rows ever committed, the split weight (rows, or total priority) and the
@@ -96,6 +110,9 @@ class NodePool:
         return self.pool.update_priorities(indices, priorities, lanes=lanes)
 
     def close(self, timeout: float = 5.0) -> None:
+        if self.limit is not None:  # before the pool, which closes the buffer it attached
+            self.limit.release()
+            self.limit = None
         if self.table is not None:
             self.table.close()
             self.table = None
@@ -135,9 +152,11 @@ class LocalSource:
 
     remote = False
 
-    def __init__(self, node_id: str, buffer_name: str, pool_kwargs: dict[str, Any]) -> None:
+    def __init__(self, node_id: str, buffer_name: str, pool_kwargs: dict[str, Any],
+                 limit: RateLimit | None, report: Callable[[], Report | None]) -> None:
         self.node_id = node_id
-        self.node = NodePool(buffer_name, pool_kwargs)
+        self.report = report
+        self.node = NodePool(buffer_name, pool_kwargs, limit, report())
         self.calls = 0
         self.bytes = self.restarts = 0
         self.blocked_s = 0.0  # in the pool's next(): waiting for a batch (or taking one)
@@ -145,9 +164,13 @@ class LocalSource:
     def counts(self) -> dict[str, Any]:
         return self.node.counts()
 
+    def committed(self) -> int:
+        return int(np.sum(self.node.buffer.committed()))
+
     def next_chunk(self, wait: float) -> Chunk | None:
         """The pool's next batch (views, valid until the next call), or None."""
         t0 = time.perf_counter()
+        self.node.report(self.report())
         reply = self.node.next_reply(wait)
         self.blocked_s += time.perf_counter() - t0
         if not reply["rows"]:
@@ -156,7 +179,7 @@ class LocalSource:
         return Chunk(reply)
 
     def poll(self) -> None:
-        pass
+        self.node.report(self.report())
 
     def update_priorities(self, lanes: Any, indices: Any, priorities: Any) -> Any:
         return self.node.update_priorities(lanes, indices, priorities)
@@ -171,9 +194,11 @@ class RemoteSource:
     remote = True
 
     def __init__(self, node_id: str, host: Any, pool_id: str, pool_kwargs: dict[str, Any],
-                 depth: int, wait: float) -> None:
+                 depth: int, wait: float, limit: RateLimit | None,
+                 report: Callable[[], Report | None]) -> None:
         self.node_id, self.host, self.pool_id = node_id, host, pool_id
         self.pool_kwargs, self.depth, self.wait = pool_kwargs, depth, wait
+        self.limit, self.report = limit, report  # every call carries a report (None: no limit)
         self.inflight: deque[Any] = deque()
         self.sent: deque[float] = deque()  # when each call in flight was made
         self.ready: deque[Chunk] = deque()
@@ -183,7 +208,7 @@ class RemoteSource:
         self.pid: int | None = None
         self.counting: Any = None  # a counts() call in flight
         self.counted = 0.0
-        self.opened = host.open_pool.remote(pool_id, pool_kwargs)  # the sampler waits for it
+        self.opened = host.open_pool.remote(pool_id, pool_kwargs, limit, report())
 
     def started(self, info: dict[str, Any]) -> None:
         """The host opened the pool (``info``: its ``open_pool`` answer): start fetching."""
@@ -195,11 +220,14 @@ class RemoteSource:
         """Keep ``depth`` calls' rows in flight or ready, no more (a node drawn from rarely
         does not pile up replies)."""
         while len(self.inflight) + len(self.ready) < self.depth:
-            self.inflight.append(self.host.fetch.remote(self.pool_id, self.wait))
+            self.inflight.append(self.host.fetch.remote(self.pool_id, self.wait, self.report()))
             self.sent.append(time.monotonic())
 
     def counts(self) -> dict[str, Any]:
         return self.last
+
+    def committed(self) -> int:
+        return int(self.last["committed"])
 
     def poll(self) -> None:
         """Take in whatever replies have arrived, without waiting; ask for fresh counts when
@@ -221,7 +249,7 @@ class RemoteSource:
                     self.last.update({k: c[k] for k in self.last})
                     self.counted = now
         elif now - self.counted > COUNTS_EVERY_S and not self.inflight:  # (a reply has them)
-            self.counting = self.host.counts.remote(self.pool_id)
+            self.counting = self.host.counts.remote(self.pool_id, self.report())
         self.refill()
 
     def next_chunk(self, wait: float) -> Chunk | None:
@@ -266,8 +294,8 @@ class RemoteSource:
         if not node_alive(self.node_id):
             raise NodeLost(self.node_id, f"node {self.node_id[:12]} is gone")
         try:
-            info = call_actor(self.host.open_pool, self.pool_id, self.pool_kwargs,
-                              timeout=timeout)
+            info = call_actor(self.host.open_pool, self.pool_id, self.pool_kwargs, self.limit,
+                              self.report(), timeout=timeout)
         except ray.exceptions.RayError as e:  # dead for good, unschedulable, timed out
             raise NodeLost(self.node_id, f"the host of node {self.node_id[:12]} is gone "
                            f"({type(e).__name__})") from None
@@ -293,18 +321,26 @@ class RemoteSource:
 
 
 def open_sources(cluster: Any, sources: list[Any], pool_id: str, pool_kwargs: dict[str, Any],
-                 seed: int | None, depth: int, wait: float, timeout: float) -> None:
+                 seed: int | None, depth: int, wait: float, timeout: float,
+                 limit: RateLimit | None, report: Callable[[int], Report | None]) -> None:
     """Append a source per node of ``cluster`` to ``sources`` (local for this process's node,
-    remote for the others, each pool seeded apart) and wait for the hosts' pools to open."""
+    remote for the others, each pool seeded apart) and wait for the hosts' pools to open.
+    With a ``limit``, each node's writers are held to it by the counts ``report(k)`` gives for
+    node k, sent with every call."""
     seeds = np.random.SeedSequence(seed).spawn(len(cluster.node_ids) + 1)[1:]
     here = current_node_id()
-    for node, seed_k in zip(cluster.node_ids, seeds):
+    for k, (node, seed_k) in enumerate(zip(cluster.node_ids, seeds)):
         kw = dict(pool_kwargs, seed=seed_k)
+        node_report = functools.partial(report, k)
         if node == here:
-            sources.append(LocalSource(node, cluster.buffer_names[node], kw))
+            sources.append(LocalSource(node, cluster.buffer_names[node], kw, limit, node_report))
         else:
-            sources.append(RemoteSource(node, cluster.hosts[node], pool_id, kw, depth, wait))
+            sources.append(RemoteSource(node, cluster.hosts[node], pool_id, kw, depth, wait,
+                                        limit, node_report))
     remote = [s for s in sources if s.remote]
-    for src, info in zip(remote, ray.get([s.opened for s in remote], timeout=timeout)):
+    infos = ray.get([s.opened for s in remote], timeout=timeout)
+    for src, info in zip(remote, infos):  # every node's counts first: the first reports use them
+        src.last.update({k: info[k] for k in src.last})
+    for src, info in zip(remote, infos):
         src.started(info)
 

@@ -1,0 +1,207 @@
+"""``samples_per_insert`` over a whole ``ReplayCluster`` on the writers' side (a local 3-node Ray
+cluster, started once for the module): a slow or paused learner holds back the writers of every
+node, not only its own, so that the cluster's inserts stay within the tolerance; they resume
+when it samples again, time out with ``RateLimitTimeout`` while it does not, and go free when
+it closes its sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import shmbuf  # noqa: E402
+from shmbuf.limiter import RateLimit  # noqa: E402
+from tests import cluster_procs as cp  # noqa: E402
+from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
+from workers.cluster_rate import NodeLimit, cluster_report  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240)]
+
+LANES = 2
+RATIO, TOL, MIN_SIZE, BATCH, CHUNK = 1.0, 64.0, 200, 16, 16
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    with cp.learner_first_nodes(3) as ids:  # the learner's node first
+        yield ids
+
+
+def committed(cluster: ReplayCluster) -> np.ndarray:
+    """Rows committed on each node now (its lanes' words, read through shared memory: the
+    nodes share this machine, and a node's buffer outlives its host)."""
+    return np.array([cluster.buffer(n).committed().sum() for n in cluster.node_ids], np.int64)
+
+
+def excess(inserts: int, samples: int) -> float:
+    """How far the cluster's inserts run past what the limit lets writers insert, in samples
+    (<= 0 within the limit): ``inserts * ratio - samples - max_diff``."""
+    return inserts * RATIO - samples - RateLimit(MIN_SIZE, RATIO, TOL).max_diff
+
+
+def still(cluster: ReplayCluster, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rows committed per node at the start and the end of ``seconds``."""
+    before = committed(cluster)
+    time.sleep(seconds)
+    return before, committed(cluster)
+
+
+@pytest.mark.ray
+def test_writers_of_every_node_follow_the_learner(nodes):
+    """A learner sampling slowly holds every node's writers to the cluster's ratio; paused, it
+    stops them all (their waits run out: ``RateLimitTimeout``); sampling again, it lets every
+    node write; closing its sampler lets them all go."""
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
+                       nodes=nodes) as cluster:
+        sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
+                                  seed=5, timeout=60)
+        writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
+                   for k, n in enumerate(cluster.node_ids)]
+        runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+        try:
+            samples = 0
+            for _ in range(40):  # a slow learner: the writers are the ones held back
+                batch = sampler.next()
+                assert not cp.bad_rows(batch, LANES).any()
+                samples += BATCH
+                time.sleep(0.02)
+            # Paused: nobody reports, so every node's writers stop where the last report left
+            # them, and keep timing out (the writer's own timeout, as under a local pool).
+            time.sleep(1.0)
+            before, after = still(cluster, 1.5)
+            assert (after == before).all(), (before, after)
+            assert (before > 0).all(), before  # every node wrote
+            over = excess(int(after.sum()), samples)
+            print(f"paused: per node {after}, inserts {after.sum()}, samples {samples}, "
+                  f"excess {over}")
+            assert over <= (len(nodes) - 1) * TOL, over
+            progress = ray.get([w.progress.remote() for w in writers], timeout=30)
+            assert all(timeouts >= 1 for _, timeouts in progress), progress
+            # Sampling again lets every node's writers go on, within the ratio.
+            for _ in range(60):
+                sampler.next()
+                samples += BATCH
+                time.sleep(0.01)
+            time.sleep(1.0)
+            before, again = still(cluster, 1.0)
+            assert (again == before).all(), (before, again)
+            assert (again > after).all(), (after, again)
+            over = excess(int(again.sum()), samples)
+            print(f"resumed: per node {again}, inserts {again.sum()}, samples {samples}, "
+                  f"excess {over}")
+            assert over <= (len(nodes) - 1) * TOL, over
+            assert excess(int(again.sum()), samples) > -4 * TOL  # the writers kept up
+            # Closing the sampler lifts the limit on every node.
+            sampler.close()
+            cp.wait_for(lambda: (committed(cluster) > again + 1000).all(), 30,
+                        "every node's writers to resume after the sampler closed")
+        finally:
+            sampler.close()
+            ray.get([w.stop.remote() for w in writers], timeout=30)
+            ray.get(runs, timeout=30)
+
+
+@pytest.mark.ray
+def test_writers_are_free_until_the_cluster_holds_min_size(nodes):
+    """No writer waits before the cluster holds ``min_size`` rows (far more than the
+    tolerance lets one node write); then they stop. Each node may reach ``min_size`` (plus
+    the tolerance) on its own before the learner's report of the others reaches it: the
+    cluster holds at most nodes x that."""
+    min_size = 3000
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
+                       nodes=nodes) as cluster:
+        with cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=min_size,
+                             timeout=60) as sampler:
+            writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
+                       for k, n in enumerate(cluster.node_ids)]
+            runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+            try:
+                sampler.next()  # waits for min_size over the cluster (reporting meanwhile)
+                time.sleep(1.0)
+                before, after = still(cluster, 1.0)
+                print(f"min_size {min_size}: per node {after}")
+                assert (after == before).all(), (before, after)
+                assert after.sum() >= min_size
+                assert after.sum() <= len(nodes) * (min_size + TOL / RATIO + BATCH), after
+            finally:
+                ray.get([w.stop.remote() for w in writers], timeout=30)
+                ray.get(runs, timeout=30)
+
+
+@pytest.mark.ray
+def test_a_restarted_host_holds_its_writers_again(nodes):
+    """A SIGKILLed host lifts its node's limit (as a dead pool does); the restarted host
+    re-adopts the segment and the learner's next call sets the limit again."""
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
+                       nodes=nodes, host_restarts=1) as cluster:
+        sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
+                                  seed=6, timeout=90)
+        writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
+                   for k, n in enumerate(cluster.node_ids)]
+        runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+        try:
+            for _ in range(20):
+                sampler.next()
+                time.sleep(0.02)
+            time.sleep(1.0)
+            held = committed(cluster)
+            os.kill(cluster.info()[nodes[2]]["pid"], signal.SIGKILL)
+            cp.wait_for(lambda: committed(cluster)[2] > held[2] + 2000, 60,
+                        "node 2's writer to run free while its host is down")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", HostRestartedWarning)
+                while sampler.stats()["nodes"][2]["host_restarts"] == 0:
+                    sampler.next()
+            # The cluster is far past its limit now (node 2 ran free): every node stands.
+            time.sleep(1.0)
+            before, after = still(cluster, 1.0)
+            assert (after == before).all(), (before, after)
+        finally:
+            sampler.close()
+            ray.get([w.stop.remote() for w in writers], timeout=30)
+            ray.get(runs, timeout=30)
+
+
+def test_node_limit_counts_the_cluster():
+    """``NodeLimit`` (without Ray): the node's writers count their node's rows live plus the
+    other nodes' and the samples as reported; only one limiting holder per buffer; release
+    lifts it."""
+    limit = RateLimit(min_size=10, samples_per_insert=1.0, tolerance=4)
+    assert cluster_report([5, 7, 0], 1, 20) == (5, 20)
+    with shmbuf.ReplayBuffer.create(cp.ROWS.fields, capacity=64, lanes=1) as buf:
+        lim = buf.storage.limiter
+        with buf.writer(insert_timeout=0.2) as w:
+
+            def put(n: int) -> None:
+                w.extend(cp.ROWS.batch(0, np.arange(w.committed, w.committed + n)))
+
+            put(6)
+            node = NodeLimit(buf, limit, report=(5, 0))
+            try:
+                with pytest.raises(shmbuf.ShmbufError, match="already rate-limits"):
+                    NodeLimit(buf, limit)
+                st = lim.stats()
+                assert (st["inserts"], st["samples"]) == (11, 0)  # 6 here + 5 elsewhere
+                put(3)  # 14 <= min_size + (0 + tol) / ratio
+                with pytest.raises(shmbuf.RateLimitTimeout, match="inserts 14, samples 0"):
+                    put(1)
+                node.apply((5, 3))  # the learner sampled 3: room for 3 more
+                put(3)
+                with pytest.raises(shmbuf.RateLimitTimeout):
+                    put(1)
+                node.apply((0, 3))  # another node was dropped: its rows no longer count
+                put(5)
+                assert lim.stats()["inserts"] == 17
+            finally:
+                node.release()
+                node.release()
+            assert not lim.stats()["active"]
+            put(20)  # free
