@@ -177,3 +177,22 @@ def test_one_env_vector_writer_stores_what_writer_add_stores_and_rejects_two_row
             with pytest.raises((shmbuf.SpecMismatchError, ValueError)):
                 v.add(**two)
             assert segment_bytes(a) == before
+
+
+@pytest.mark.parametrize("make_row", [lambda x: x[None], lambda x: x.reshape(1, *x.shape),
+                                      lambda x: np.expand_dims(x, 0)],
+                         ids=["x[None]", "reshape", "expand_dims"])
+def test_one_env_rows_of_each_usual_making_take_the_fast_path(make_row, monkeypatch):
+    """``obs[None]`` has stride 0 on its first axis, ``reshape`` does not: both are one
+    C-contiguous row, so both skip the full checker (``_add_checked``)."""
+    spec = shmbuf.Spec(obs=((3,), "float32"), img=((2, 2), "uint8"), reward=((), "float32"))
+    with shmbuf.ReplayBuffer.create(spec, capacity=16) as buf, buf.writer(num_envs=1) as v:
+        slow = []
+        monkeypatch.setattr(v, "_add_checked", lambda *a: slow.append(a))
+        row = {"obs": np.arange(3, dtype=np.float32), "img": np.ones((2, 2), np.uint8),
+               "reward": np.float32(0.5)}
+        v.add(**{k: make_row(np.asarray(x)) for k, x in row.items()})
+        assert slow == []
+        got = buf.get(np.array([0]), 0)
+        for k, x in row.items():
+            np.testing.assert_array_equal(got[k][0], x)
