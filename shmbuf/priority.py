@@ -9,12 +9,21 @@ page: ``sums [lanes, W]``, ``mins [lanes, W]`` (f8), ``gen [lanes * capacity]`` 
 Concurrency: the process that creates the table (the learner) is the only writer of every word:
 it enters new rows at the running maximum priority (``sync``: per lane one or two contiguous
 runs, set with slices, so its cost is bounded by the capacity whatever the write rate), applies
-``update`` and
-``retire``. Sampler workers ``attach`` and only read: they descend the trees without locks and
-keep a drawn leaf only if its generation is a row the buffer holds now; the row's stamp is then
-checked as for any read. So a leaf changed under a reader, or a row overwritten after its
-priority was set, is redrawn, never delivered with a stale priority's data. Writers (actors)
-never touch the table: a dead actor or worker cannot leave it inconsistent, and nobody waits.
+``update`` and ``retire``. Sampler workers ``attach`` and only read: they descend the trees
+without locks; a leaf changed under a reader (a zero leaf reached) is redrawn, and every row
+delivered has its stamp checked as for any read, so its data is whole. Writers (actors) never
+touch the table: a dead actor or worker cannot leave it inconsistent, and nobody waits.
+
+Rows that moved on: a leaf's generation may name a row the buffer no longer holds (writers
+overwrote it after the learner's last ``sync``). ``draw`` redraws such leaves. ``draw_held``
+(the pool's draws) delivers the slot's *current* occupant instead, with the probability the
+leaf was drawn with (leaf value / total): the importance weight is exact for how the row was
+drawn, however fast the writers go, and nobody waits for the learner to catch up. The learner's
+``update`` for that row applies once ``sync`` has entered it (``update_priorities`` syncs
+first); updates for rows overwritten since they were delivered are dropped (generation check).
+Only a slot being written at that moment is redrawn. A buffer that stores FINAL rows (derived
+``next_obs``: episode-end observations, entered at 0, never transitions) keeps ``draw``'s
+redraws, since a slot's occupant could be one.
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ class PriorityTable:
         self.segment = segment
         self.lanes, self.capacity = int(doc["lanes"]), int(doc["capacity"])
         self.alpha, self.eps = float(doc["alpha"]), float(doc["eps"])
+        # The buffer stores FINAL rows (derived next_obs), which no draw may deliver.
+        self.final_rows = bool(doc.get("final_rows", True))
         self.max_allowed = _max_priority(self.alpha, self.eps, self.lanes * self.capacity)
         offsets = _table_layout(self.lanes, self.capacity, len(layout.encode_layout(doc)))
         memory = segment.buf
@@ -92,7 +103,8 @@ class PriorityTable:
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
         doc = {"kind": "priorities", "buffer": buf.name, "lanes": buf.lanes,
-               "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps)}
+               "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps),
+               "final_rows": bool(buf.storage.derived_next_obs)}
         segment = Segment.create(None, layout.KIND_PRIORITY, doc,
                                  lambda n: _table_layout(buf.lanes, buf.capacity, n).total)
         table = cls(segment)
@@ -220,14 +232,25 @@ class PriorityTable:
     # -- anyone: read-only draws -------------------------------------------------------------------
     def draw(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
         """``batch`` rows drawn in proportion to their priorities, each a row the buffer holds
-        (by its generation); with their probabilities and the smallest probability."""
-        lanes, indices, probs, total = self._draw_once(windows, batch, rng)
+        (by its generation); with their probabilities and the smallest probability. A leaf
+        whose row was overwritten is redrawn."""
+        return self._draw(windows, batch, rng, occupants=False)
+
+    def draw_held(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
+        """``draw``, except that a leaf whose row was overwritten by one not entered yet
+        delivers the slot's current occupant, with the probability the leaf was drawn with
+        (see the module docstring). Not for a buffer that stores FINAL rows (``draw`` there)."""
+        return self._draw(windows, batch, rng, occupants=not self.final_rows)
+
+    def _draw(self, windows: Windows, batch: int, rng: np.random.Generator,
+              occupants: bool) -> Draw:
+        lanes, indices, probs, total = self._draw_once(windows, batch, rng, occupants)
         ok = probs > 0
         if ok.all():  # the usual case: every leaf drawn holds a row the buffer holds
             return Draw(lanes, indices, probs, self._pmin(total, probs))
         todo = np.flatnonzero(~ok)
         for _ in range(DRAW_ROUNDS - 1):
-            again = self._draw_once(windows, todo.size, rng)
+            again = self._draw_once(windows, todo.size, rng, occupants)
             ok = again[2] > 0
             done = todo[ok]
             lanes[done], indices[done], probs[done] = again[0][ok], again[1][ok], again[2][ok]
@@ -239,10 +262,11 @@ class PriorityTable:
             f"the learner's priority table lags the writers (it syncs in next())"
         )
 
-    def _draw_once(self, windows: Windows, batch: int, rng: np.random.Generator
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(lanes, generations, probabilities, total) of ``batch`` leaves drawn once; the
-        probability is 0 where the leaf is zero or its generation is not a row held now."""
+    def _draw_once(self, windows: Windows, batch: int, rng: np.random.Generator,
+                   occupants: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """(lanes, indices, probabilities, total) of ``batch`` leaves drawn once; the
+        probability is 0 where the leaf is zero or its row is not held (with ``occupants``:
+        where its slot's current occupant is not held either)."""
         try:
             lanes, leaves, total = sumtree.sample(self.sums, batch, rng)
         except ValueError:
@@ -252,7 +276,13 @@ class PriorityTable:
         np.minimum(leaves, self.capacity - 1, out=leaves)
         value = self.sums.reshape(-1)[lanes * self.sums.shape[1] + leaves]
         generation = self.gen[lanes * self.capacity + leaves]
-        held = (generation >= windows.lo[lanes]) & (generation < windows.hi[lanes])
+        lo, hi = windows.lo[lanes], windows.hi[lanes]
+        held = (generation >= lo) & (generation < hi)
+        if occupants and not held.all():
+            moved = np.flatnonzero(~held)
+            newest = hi[moved] - 1  # the occupant: the newest index in the slot's ring position
+            generation[moved] = newest - (newest - leaves[moved]) % self.capacity
+            held[moved] = generation[moved] >= lo[moved]
         value[~held] = 0.0
         value /= total
         return lanes, generation, value, total
