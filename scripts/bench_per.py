@@ -6,10 +6,12 @@ In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, i
   - quiet: shmbuf against cpprb's ``PrioritizedReplayBuffer`` (sample + update_priorities) on
     100k rows, side by side in rounds (``benchlib.run_rounds``);
   - scale: time per batch at 100k, 1M and 10M rows;
+  - with sampler workers: the same quiet sample + update with 0, 1 and 2 workers;
   - under load: 2 writer processes (one lane each) adding 64-row chunks at 25k, 100k, 400k
     rows/s each and flat out, while the learner samples + updates: the learner's batches/s
-    against its quiet rate, the writers' rows/s against the same writers beside a uniform
-    learner, and any exception the learner raised.
+    against its quiet rate measured right before, beside what a uniform learner keeps under
+    the same writers (the CPU the writers take), the writers' rows/s against the same writers
+    beside a uniform learner, and any exception the learner raised.
 
 Run it with another checkout first on PYTHONPATH to measure that one (before/after):
 
@@ -180,21 +182,53 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
 
 
 def under_load(rows: int, seconds: float) -> dict[str, Any]:
+    """Per write rate: the learner's quiet rate right before the writers start (the machine's
+    load drifts: each loaded rate is compared with the quiet one next to it), then under the
+    writers; the same for a uniform learner, whose writers are the baseline for the writers
+    beside prioritized and whose own kept share is the peer (what CPU contention alone costs
+    a learner on this machine)."""
     errors = tds(np.random.default_rng(1))
     out: dict[str, Any] = {}
     with filled(rows, lanes=2) as buf:
         with prioritized(buf) as pool:
             pool.next()
             step = learner_step(pool, errors)
-            out["quiet"] = benchlib.rate_for(step, seconds)
+            quiet_rates = []
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
+                quiet_rates.append(benchlib.rate_for(step, seconds / 2))
                 out[label] = loaded(buf, pool, step, rate, seconds)
+                out[label]["quiet"] = quiet_rates[-1]
+            out["quiet"] = statistics.median(quiet_rates)
         with SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
-                out[label]["uniform_writer_rows_per_s"] = loaded(
-                    buf, uniform, uniform.next, rate, seconds)["writer_rows_per_s"]
+                quiet_uniform = benchlib.rate_for(uniform.next, seconds / 2)
+                peer = loaded(buf, uniform, uniform.next, rate, seconds)
+                out[label]["uniform_writer_rows_per_s"] = peer["writer_rows_per_s"]
+                out[label]["uniform_kept"] = peer["learner_batches_per_s"] / quiet_uniform
+    return out
+
+
+def with_workers(rows: int, workers: list[int], seconds: float) -> dict[str, float]:
+    """Quiet sample + update batches/s with sampler workers (prefetching in other processes)
+    against in-process, side by side in rounds."""
+    errors = tds(np.random.default_rng(1))
+    out: dict[str, float] = {}
+    with filled(rows) as buf:
+        pools = [SamplerPool(buf, n_workers=w, batch_size=B, seed=0, timeout=60,
+                             sampler="prioritized", alpha=ALPHA, beta=BETA) for w in workers]
+        try:
+            cases = []
+            for w, pool in zip(workers, pools):
+                pool.next()
+                cases.append(TimedCase(str(w), benchlib.loop_runner(learner_step(pool, errors))))
+            for case in cases:  # one pool at a time: the others' workers would compete
+                benchlib.run_rounds([[case]], 3, seconds, f"workers={case.name}")
+                out[case.name] = statistics.median(case.rates)
+        finally:
+            for pool in pools:
+                pool.close()
     return out
 
 
@@ -208,14 +242,19 @@ def report(res: dict[str, Any]) -> None:
     for rows, s in res["scale"].items():
         base = base or s
         print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x)")
+    if res.get("workers"):
+        w = res["workers"]
+        print("sample + update with sampler workers (quiet): " + ", ".join(
+            f"{k} workers {v:.0f} batches/s ({v / w['0']:.2f}x)" for k, v in w.items()))
     load = res["load"]
     print(f"under load (2 writers, {res['rows']} rows in 2 lanes); learner quiet "
-          f"{load['quiet']:.0f} batches/s")
+          f"{load['quiet']:.0f} batches/s (median of the quiet rates next to each load)")
     for label in [k for k in load if k != "quiet"]:
         r = load[label]
         print(f"  {label:>8} rows/s each: learner {r['learner_batches_per_s']:.0f} batches/s "
-              f"({r['learner_batches_per_s'] / load['quiet']:.2f} of quiet), writers "
-              f"{r['writer_rows_per_s']:,.0f} rows/s ({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
+              f"({r['learner_batches_per_s'] / r['quiet']:.2f} of quiet; a uniform learner "
+              f"keeps {r['uniform_kept']:.2f}), writers {r['writer_rows_per_s']:,.0f} rows/s "
+              f"({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
               f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
               + (f"  RAISED {r['raised']}" if r["raised"] else ""))
 
@@ -226,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--skip", default="", help="comma list of quiet,scale,load to skip")
+    p.add_argument("--skip", default="", help="comma list of quiet,scale,load,workers to skip")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     seconds = args.seconds or (0.5 if args.quick else 2.0)
@@ -239,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "shmbuf": float("nan"), "cpprb": "skipped"}
     sizes = [100_000, 1_000_000] + ([] if args.quick else [10_000_000])
     res["scale"] = scale(sizes, seconds) if "scale" not in skip else {}
+    res["workers"] = with_workers(args.rows, [0, 1, 2], seconds) if "workers" not in skip else {}
     res["load"] = under_load(args.rows, max(seconds, 2.0)) if "load" not in skip else {
         "quiet": 1.0}
     report(res)

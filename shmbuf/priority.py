@@ -160,9 +160,10 @@ class PriorityTable:
                 run = slice(lane * capacity + slot, lane * capacity + slot + end - start)
                 # generation first: a reader that sees it finds the new row
                 self.gen[run] = np.arange(start, end, dtype=np.int64)
-                final = (meta[run] & layout.FLAG_FINAL) != 0
-                sumtree.fill(self.sums, self.mins, int(lane), slot,
-                             np.where(final, 0.0, value))
+                values = np.full(end - start, value)
+                if self.final_rows:
+                    values[(meta[run] & layout.FLAG_FINAL) != 0] = 0.0
+                sumtree.fill(self.sums, self.mins, int(lane), slot, values)
                 start = end
         self.synced[new] = committed[new]
         return entered
