@@ -20,6 +20,7 @@ WHOLE_LEVEL = 2048  # update() recomputes the levels above one this small whole,
 # Row k: the sum of the children before child k (a block's exclusive prefix sums, and its
 # total last) as one matrix product.
 _PREFIX = np.tril(np.ones((FANOUT + 1, FANOUT)), -1)
+_CHILD = np.arange(FANOUT, dtype=np.int64)[:, None]  # a block's children, as a column
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -123,15 +124,37 @@ def _fix_parents(flat_sums: np.ndarray, flat_mins: np.ndarray, width: int, base:
     for level, ((offset, size), (parent_offset, _)) in enumerate(
             zip(tree_levels[:-1], tree_levels[1:])):
         if size * lanes <= WHOLE_LEVEL:
-            _rebuild_from(flat_sums.reshape(lanes, width), flat_mins.reshape(lanes, width),
-                          level, padding=False)
+            for children, target in _whole_levels(width, lanes, level):
+                flat_sums[target] = block_sums(flat_sums.take(children).T)
+                flat_mins[target] = flat_mins.take(children).min(axis=0)
             return
         node = node // FANOUT
         first = base + (offset + node * FANOUT)  # each parent's first child, flat
-        target = first - (offset + node * (FANOUT - 1)) + parent_offset
+        target = base + (parent_offset + node)
         children = np.ascontiguousarray(sum_windows[first].T)
         flat_sums[target] = block_sums(children.T)
-        flat_mins[target] = np.ascontiguousarray(min_windows[first].T).min(axis=0)
+        if level == 0:  # the min tree's leaves are the sum tree's positive ones
+            flat_mins[target] = _positive_or_inf(children).min(axis=0)
+        else:
+            flat_mins[target] = np.ascontiguousarray(min_windows[first].T).min(axis=0)
+
+
+@lru_cache(maxsize=64)
+def _whole_levels(width: int, lanes: int, first: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per level above level ``first``, bottom up: the flat positions of every real parent's
+    children as a ``[FANOUT, parents]`` array (a block per column), and of the parents."""
+    tree_levels = levels(width)
+    plan = []
+    for (offset, size), (parent_offset, _) in list(
+            zip(tree_levels[:-1], tree_levels[1:]))[first:]:
+        n = size // FANOUT
+        lane_base = np.repeat(np.arange(lanes, dtype=np.int64) * width, n)
+        node = np.tile(np.arange(n, dtype=np.int64), lanes)
+        children = (lane_base + offset + node * FANOUT)[None, :] + _CHILD
+        parents = lane_base + parent_offset + node
+        children.flags.writeable = parents.flags.writeable = False
+        plan.append((children, parents))
+    return plan
 
 
 def _windows(flat: np.ndarray) -> np.ndarray:
