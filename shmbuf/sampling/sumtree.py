@@ -15,8 +15,8 @@ from functools import lru_cache
 import numpy as np
 
 FANOUT = 16  # children per node (a power of two: see block_sums)
-TOP_NODES = 2048  # sample() draws from the lowest level this small with one cumulative sum
-WHOLE_LEVEL = 2048  # update() recomputes the levels above one this small whole, with slices
+TOP_NODES = 4096  # sample() draws from the lowest level this small with one cumulative sum
+WHOLE_LEVEL = 4096  # update() recomputes the levels above one this small whole, with slices
 # Row k: the sum of the children before child k (a block's exclusive prefix sums, and its
 # total last) as one matrix product.
 _PREFIX = np.tril(np.ones((FANOUT + 1, FANOUT)), -1)
