@@ -11,7 +11,8 @@ In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, i
     rows/s each and flat out, while the learner samples + updates: the learner's batches/s
     against its quiet rate measured right before, beside what a uniform learner keeps under
     the same writers (the CPU the writers take), the writers' rows/s against the same writers
-    beside a uniform learner, and any exception the learner raised.
+    beside a uniform learner, the learner's CPU time per batch against quiet's (the work the
+    write rate adds, apart from the CPU the writers take), and any exception it raised.
 
 Run it with another checkout first on PYTHONPATH to measure that one (before/after):
 
@@ -160,7 +161,7 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
         while (np.asarray(buf.committed()) == start).any() and time.monotonic() < deadline:
             time.sleep(0.05)  # until both writers are attached and writing
         time.sleep(0.2)
-        c0, t0 = int(np.sum(buf.committed())), time.perf_counter()
+        c0, t0, cpu0 = int(np.sum(buf.committed())), time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             try:
                 step()
@@ -168,7 +169,7 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
                 raised = f"{type(e).__name__}: {e}"[:160]
                 break
             batches += 1
-        took = time.perf_counter() - t0
+        took, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         rows = int(np.sum(buf.committed())) - c0
     finally:
         stop.set()
@@ -178,7 +179,16 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
                 p.kill()
                 p.join()
     return {"learner_batches_per_s": batches / took, "writer_rows_per_s": rows / took,
-            "raised": raised}
+            "learner_cpu_ms_per_batch": 1e3 * cpu / max(batches, 1), "raised": raised}
+
+
+def quiet_cpu_ms(step: Callable[[], Any], seconds: float) -> float:
+    """The learner's CPU time per batch (this process; the load on the machine aside)."""
+    cpu0, t0, n = time.process_time(), time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        step()
+        n += 1
+    return 1e3 * (time.process_time() - cpu0) / n
 
 
 def under_load(rows: int, seconds: float) -> dict[str, Any]:
@@ -197,8 +207,10 @@ def under_load(rows: int, seconds: float) -> dict[str, Any]:
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
                 quiet_rates.append(benchlib.rate_for(step, seconds / 2))
+                quiet_cpu = quiet_cpu_ms(step, seconds / 4)
                 out[label] = loaded(buf, pool, step, rate, seconds)
                 out[label]["quiet"] = quiet_rates[-1]
+                out[label]["quiet_cpu_ms_per_batch"] = quiet_cpu
             out["quiet"] = statistics.median(quiet_rates)
         with SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
             for rate in RATES:
@@ -253,7 +265,9 @@ def report(res: dict[str, Any]) -> None:
         r = load[label]
         print(f"  {label:>8} rows/s each: learner {r['learner_batches_per_s']:.0f} batches/s "
               f"({r['learner_batches_per_s'] / r['quiet']:.2f} of quiet; a uniform learner "
-              f"keeps {r['uniform_kept']:.2f}), writers {r['writer_rows_per_s']:,.0f} rows/s "
+              f"keeps {r['uniform_kept']:.2f}; learner CPU per batch "
+              f"{r['learner_cpu_ms_per_batch'] / r['quiet_cpu_ms_per_batch']:.2f}x quiet's), "
+              f"writers {r['writer_rows_per_s']:,.0f} rows/s "
               f"({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
               f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
               + (f"  RAISED {r['raised']}" if r["raised"] else ""))

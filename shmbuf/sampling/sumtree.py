@@ -3,9 +3,15 @@
 Each lane's tree is one row of a ``[lanes, width]`` float64 array: the leaves first (leaf j is
 column j), then each level of parents up to the root (the last column). A node is the sum (min
 tree: the smallest positive leaf, +inf for none) of its ``FANOUT`` children, a contiguous block
-of the level below: 5 levels for 100k leaves, 6 for 10M, so an update or a descent is a handful
-of NumPy calls per level for the whole batch. Parents are always recomputed from their children
-(never adjusted by deltas), so sums cannot drift.
+of the level below: 5 levels for 100k leaves, 6 for 10M. Parents are always recomputed from
+their children (never adjusted by deltas), so sums cannot drift.
+
+NumPy's cost is per call, so each step is a handful of calls for the whole batch: ``sample``
+finds each draw's node at a small level (<= ``TOP_NODES`` over all lanes) with one cumulative
+sum and one ``searchsorted``, then descends the 2-3 levels below by blocks, with one matrix
+product giving the prefix sums of every draw's block at once (``np.cumsum`` is a scalar loop);
+``update`` recomputes the touched parents level by level as ``[FANOUT, n]`` gathers, and the
+small top levels whole from cached index plans.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numpy as np
 
 FANOUT = 16  # children per node (a power of two: see block_sums)
 TOP_NODES = 4096  # sample() draws from the lowest level this small with one cumulative sum
-WHOLE_LEVEL = 4096  # update() recomputes the levels above one this small whole, with slices
+WHOLE_LEVEL = 4096  # update() recomputes the levels above one this small whole
 # Row k: the sum of the children before child k (a block's exclusive prefix sums, and its
 # total last) as one matrix product.
 _PREFIX = np.tril(np.ones((FANOUT + 1, FANOUT)), -1)
