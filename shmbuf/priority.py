@@ -163,8 +163,9 @@ class PriorityTable:
                 values = np.full(end - start, value)
                 if self.final_rows:
                     values[(meta[run] & layout.FLAG_FINAL) != 0] = 0.0
-                sumtree.fill(self.sums, self.mins, int(lane), slot, values)
+                sumtree.fill(self.sums, self.mins, int(lane), slot, values, top=False)
                 start = end
+        sumtree.fix_top(self.sums, self.mins)  # once for every run
         self.synced[new] = committed[new]
         return entered
 

@@ -130,9 +130,8 @@ def _fix_parents(flat_sums: np.ndarray, flat_mins: np.ndarray, width: int, base:
     for level, ((offset, size), (parent_offset, _)) in enumerate(
             zip(tree_levels[:-1], tree_levels[1:])):
         if size * lanes <= WHOLE_LEVEL:
-            for children, target in _whole_levels(width, lanes, level):
-                flat_sums[target] = block_sums(flat_sums.take(children).T)
-                flat_mins[target] = flat_mins.take(children).min(axis=0)
+            _fix_whole_levels(flat_sums.reshape(lanes, width), flat_mins.reshape(lanes, width),
+                              level)
             return
         node = node // FANOUT
         first = base + (offset + node * FANOUT)  # each parent's first child, flat
@@ -170,16 +169,24 @@ def _windows(flat: np.ndarray) -> np.ndarray:
                       (flat.itemsize, flat.itemsize))
 
 
-def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.ndarray) -> None:
+def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.ndarray,
+         top: bool = True) -> None:
     """Set leaves ``[start, start + len(values))`` of ``lane`` and recompute their ancestors:
-    slices only, so entering a contiguous run of new rows costs a memset, not a per-row walk."""
+    slices only, so entering a contiguous run of new rows costs a memset, not a per-row walk.
+    With ``top=False`` the small top levels (``WHOLE_LEVEL``) are left to one ``fix_top``
+    call after several runs."""
     stop = start + values.size
     if stop <= start:
         return
     sums[lane, start:stop] = values
     mins[lane, start:stop] = _positive_or_inf(values)
     tree_levels = levels(sums.shape[1])
-    for (offset, size), (parent_offset, _) in zip(tree_levels[:-1], tree_levels[1:]):
+    for level, ((offset, size), (parent_offset, _)) in enumerate(
+            zip(tree_levels[:-1], tree_levels[1:])):
+        if size * sums.shape[0] <= WHOLE_LEVEL:
+            if top:
+                _fix_whole_levels(sums, mins, level)
+            return
         start, stop = start // FANOUT, (stop - 1) // FANOUT + 1
         # Column-major copies: the halving sums and the min then run along the blocks (a
         # block's children are only FANOUT apart), several times faster for long runs.
@@ -187,6 +194,23 @@ def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.n
             np.asfortranarray(_blocks(sums, offset, size)[lane, start:stop]))
         mins[lane, parent_offset + start:parent_offset + stop] = np.asfortranarray(
             _blocks(mins, offset, size)[lane, start:stop]).min(axis=1)
+
+
+def fix_top(sums: np.ndarray, mins: np.ndarray) -> None:
+    """Recompute the small top levels of every lane (after ``fill(..., top=False)`` runs)."""
+    tree_levels = levels(sums.shape[1])
+    for level, (_, size) in enumerate(tree_levels[:-1]):
+        if size * sums.shape[0] <= WHOLE_LEVEL:
+            _fix_whole_levels(sums, mins, level)
+            return
+
+
+def _fix_whole_levels(sums: np.ndarray, mins: np.ndarray, first: int) -> None:
+    """Every parent above level ``first`` (a small one), from cached index plans."""
+    flat_sums, flat_mins = sums.reshape(-1), mins.reshape(-1)
+    for children, target in _whole_levels(sums.shape[1], sums.shape[0], first):
+        flat_sums[target] = block_sums(flat_sums.take(children).T)
+        flat_mins[target] = flat_mins.take(children).min(axis=0)
 
 
 def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
