@@ -6,10 +6,13 @@ In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, i
   - quiet: shmbuf against cpprb's ``PrioritizedReplayBuffer`` (sample + update_priorities) on
     100k rows, side by side in rounds (``benchlib.run_rounds``);
   - scale: time per batch at 100k, 1M and 10M rows;
+  - with sampler workers: the same quiet sample + update with 0, 1 and 2 workers;
   - under load: 2 writer processes (one lane each) adding 64-row chunks at 25k, 100k, 400k
     rows/s each and flat out, while the learner samples + updates: the learner's batches/s
-    against its quiet rate, the writers' rows/s against the same writers beside a uniform
-    learner, and any exception the learner raised.
+    against its quiet rate measured right before, beside what a uniform learner keeps under
+    the same writers (the CPU the writers take), the writers' rows/s against the same writers
+    beside a uniform learner, the learner's CPU time per batch against quiet's (the work the
+    write rate adds, apart from the CPU the writers take), and any exception it raised.
 
 Run it with another checkout first on PYTHONPATH to measure that one (before/after):
 
@@ -158,7 +161,7 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
         while (np.asarray(buf.committed()) == start).any() and time.monotonic() < deadline:
             time.sleep(0.05)  # until both writers are attached and writing
         time.sleep(0.2)
-        c0, t0 = int(np.sum(buf.committed())), time.perf_counter()
+        c0, t0, cpu0 = int(np.sum(buf.committed())), time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds:
             try:
                 step()
@@ -166,7 +169,7 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
                 raised = f"{type(e).__name__}: {e}"[:160]
                 break
             batches += 1
-        took = time.perf_counter() - t0
+        took, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         rows = int(np.sum(buf.committed())) - c0
     finally:
         stop.set()
@@ -176,25 +179,68 @@ def loaded(buf: ReplayBuffer, pool: SamplerPool, step: Callable[[], Any],
                 p.kill()
                 p.join()
     return {"learner_batches_per_s": batches / took, "writer_rows_per_s": rows / took,
-            "raised": raised}
+            "learner_cpu_ms_per_batch": 1e3 * cpu / max(batches, 1), "raised": raised}
+
+
+def quiet_cpu_ms(step: Callable[[], Any], seconds: float) -> float:
+    """The learner's CPU time per batch (this process; the load on the machine aside)."""
+    cpu0, t0, n = time.process_time(), time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        step()
+        n += 1
+    return 1e3 * (time.process_time() - cpu0) / n
 
 
 def under_load(rows: int, seconds: float) -> dict[str, Any]:
+    """Per write rate: the learner's quiet rate right before the writers start (the machine's
+    load drifts: each loaded rate is compared with the quiet one next to it), then under the
+    writers; the same for a uniform learner, whose writers are the baseline for the writers
+    beside prioritized and whose own kept share is the peer (what CPU contention alone costs
+    a learner on this machine)."""
     errors = tds(np.random.default_rng(1))
     out: dict[str, Any] = {}
     with filled(rows, lanes=2) as buf:
         with prioritized(buf) as pool:
             pool.next()
             step = learner_step(pool, errors)
-            out["quiet"] = benchlib.rate_for(step, seconds)
+            quiet_rates = []
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
+                quiet_rates.append(benchlib.rate_for(step, seconds / 2))
+                quiet_cpu = quiet_cpu_ms(step, seconds / 4)
                 out[label] = loaded(buf, pool, step, rate, seconds)
+                out[label]["quiet"] = quiet_rates[-1]
+                out[label]["quiet_cpu_ms_per_batch"] = quiet_cpu
+            out["quiet"] = statistics.median(quiet_rates)
         with SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
-                out[label]["uniform_writer_rows_per_s"] = loaded(
-                    buf, uniform, uniform.next, rate, seconds)["writer_rows_per_s"]
+                quiet_uniform = benchlib.rate_for(uniform.next, seconds / 2)
+                peer = loaded(buf, uniform, uniform.next, rate, seconds)
+                out[label]["uniform_writer_rows_per_s"] = peer["writer_rows_per_s"]
+                out[label]["uniform_kept"] = peer["learner_batches_per_s"] / quiet_uniform
+    return out
+
+
+def with_workers(rows: int, workers: list[int], seconds: float) -> dict[str, float]:
+    """Quiet sample + update batches/s with sampler workers (prefetching in other processes)
+    against in-process, side by side in rounds."""
+    errors = tds(np.random.default_rng(1))
+    out: dict[str, float] = {}
+    with filled(rows) as buf:
+        pools = [SamplerPool(buf, n_workers=w, batch_size=B, seed=0, timeout=60,
+                             sampler="prioritized", alpha=ALPHA, beta=BETA) for w in workers]
+        try:
+            cases = []
+            for w, pool in zip(workers, pools):
+                pool.next()
+                cases.append(TimedCase(str(w), benchlib.loop_runner(learner_step(pool, errors))))
+            for case in cases:  # one pool at a time: the others' workers would compete
+                benchlib.run_rounds([[case]], 3, seconds, f"workers={case.name}")
+                out[case.name] = statistics.median(case.rates)
+        finally:
+            for pool in pools:
+                pool.close()
     return out
 
 
@@ -268,14 +314,21 @@ def report(res: dict[str, Any]) -> None:
     for rows, s in res["scale"].items():
         base = base or s
         print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x)")
+    if res.get("workers"):
+        w = res["workers"]
+        print("sample + update with sampler workers (quiet): " + ", ".join(
+            f"{k} workers {v:.0f} batches/s ({v / w['0']:.2f}x)" for k, v in w.items()))
     load = res["load"]
     print(f"under load (2 writers, {res['rows']} rows in 2 lanes); learner quiet "
-          f"{load['quiet']:.0f} batches/s")
+          f"{load['quiet']:.0f} batches/s (median of the quiet rates next to each load)")
     for label in [k for k in load if k != "quiet"]:
         r = load[label]
         print(f"  {label:>8} rows/s each: learner {r['learner_batches_per_s']:.0f} batches/s "
-              f"({r['learner_batches_per_s'] / load['quiet']:.2f} of quiet), writers "
-              f"{r['writer_rows_per_s']:,.0f} rows/s ({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
+              f"({r['learner_batches_per_s'] / r['quiet']:.2f} of quiet; a uniform learner "
+              f"keeps {r['uniform_kept']:.2f}; learner CPU per batch "
+              f"{r['learner_cpu_ms_per_batch'] / r['quiet_cpu_ms_per_batch']:.2f}x quiet's), "
+              f"writers {r['writer_rows_per_s']:,.0f} rows/s "
+              f"({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
               f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
               + (f"  RAISED {r['raised']}" if r["raised"] else ""))
     for length, r in res.get("sequences", {}).items():
@@ -295,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip", default="",
-                   help="comma list of quiet,scale,load,sequences to skip")
+                   help="comma list of quiet,scale,load,workers,sequences to skip")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     seconds = args.seconds or (0.5 if args.quick else 2.0)
@@ -308,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         "shmbuf": float("nan"), "cpprb": "skipped"}
     sizes = [100_000, 1_000_000] + ([] if args.quick else [10_000_000])
     res["scale"] = scale(sizes, seconds) if "scale" not in skip else {}
+    res["workers"] = with_workers(args.rows, [0, 1, 2], seconds) if "workers" not in skip else {}
     res["load"] = under_load(args.rows, max(seconds, 2.0)) if "load" not in skip else {
         "quiet": 1.0}
     if "sequences" not in skip:

@@ -9,12 +9,21 @@ page: ``sums [lanes, W]``, ``mins [lanes, W]`` (f8), ``gen [lanes * capacity]`` 
 Concurrency: the process that creates the table (the learner) is the only writer of every word:
 it enters new rows at the running maximum priority (``sync``: per lane one or two contiguous
 runs, set with slices, so its cost is bounded by the capacity whatever the write rate), applies
-``update`` and
-``retire``. Sampler workers ``attach`` and only read: they descend the trees without locks and
-keep a drawn leaf only if its generation is a row the buffer holds now; the row's stamp is then
-checked as for any read. So a leaf changed under a reader, or a row overwritten after its
-priority was set, is redrawn, never delivered with a stale priority's data. Writers (actors)
-never touch the table: a dead actor or worker cannot leave it inconsistent, and nobody waits.
+``update`` and ``retire``. Sampler workers ``attach`` and only read: they descend the trees
+without locks; a leaf changed under a reader (a zero leaf reached) is redrawn, and every row
+delivered has its stamp checked as for any read, so its data is whole. Writers (actors) never
+touch the table: a dead actor or worker cannot leave it inconsistent, and nobody waits.
+
+Rows that moved on: a leaf's generation may name a row the buffer no longer holds (writers
+overwrote it after the learner's last ``sync``). ``draw`` redraws such leaves. ``draw_held``
+(the pool's draws) delivers the slot's *current* occupant instead, with the probability the
+leaf was drawn with (leaf value / total): the importance weight is exact for how the row was
+drawn, however fast the writers go, and nobody waits for the learner to catch up. The learner's
+``update`` for that row applies once ``sync`` has entered it (``update_priorities`` syncs
+first); updates for rows overwritten since they were delivered are dropped (generation check).
+Only a slot being written at that moment is redrawn. A buffer that stores FINAL rows (derived
+``next_obs``: episode-end observations, entered at 0, never transitions) keeps ``draw``'s
+redraws, since a slot's occupant could be one.
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ class PriorityTable:
         self.segment = segment
         self.lanes, self.capacity = int(doc["lanes"]), int(doc["capacity"])
         self.alpha, self.eps = float(doc["alpha"]), float(doc["eps"])
+        # The buffer stores FINAL rows (derived next_obs), which no draw may deliver.
+        self.final_rows = bool(doc.get("final_rows", True))
         self.max_allowed = _max_priority(self.alpha, self.eps, self.lanes * self.capacity)
         offsets = _table_layout(self.lanes, self.capacity, len(layout.encode_layout(doc)))
         memory = segment.buf
@@ -92,7 +103,8 @@ class PriorityTable:
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
         doc = {"kind": "priorities", "buffer": buf.name, "lanes": buf.lanes,
-               "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps)}
+               "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps),
+               "final_rows": bool(buf.storage.derived_next_obs)}
         segment = Segment.create(None, layout.KIND_PRIORITY, doc,
                                  lambda n: _table_layout(buf.lanes, buf.capacity, n).total)
         table = cls(segment)
@@ -148,10 +160,12 @@ class PriorityTable:
                 run = slice(lane * capacity + slot, lane * capacity + slot + end - start)
                 # generation first: a reader that sees it finds the new row
                 self.gen[run] = np.arange(start, end, dtype=np.int64)
-                final = (meta[run] & layout.FLAG_FINAL) != 0
-                sumtree.fill(self.sums, self.mins, int(lane), slot,
-                             np.where(final, 0.0, value))
+                values = np.full(end - start, value)
+                if self.final_rows:
+                    values[(meta[run] & layout.FLAG_FINAL) != 0] = 0.0
+                sumtree.fill(self.sums, self.mins, int(lane), slot, values, top=False)
                 start = end
+        sumtree.fix_top(self.sums, self.mins)  # once for every run
         self.synced[new] = committed[new]
         return entered
 
@@ -165,37 +179,49 @@ class PriorityTable:
         """
         values = np.asarray(priorities, np.float64).reshape(-1)
         indices = np.asarray(indices, np.int64).reshape(-1)
-        lanes = np.broadcast_to(np.asarray(lanes, np.int64), indices.shape).reshape(-1)
+        lanes = _lanes_like(lanes, indices)
         if values.shape != indices.shape:
             raise ValueError(f"{values.size} priorities for {indices.size} indices")
-        bad = ~np.isfinite(values) | (values < 0)
-        if bad.any():
-            raise _invalid_priority(
-                values, lanes, indices, bad, "is not allowed: priorities must be finite and >= 0 "
-                f"({int(bad.sum())} bad of {values.size}); nothing was updated")
-        if (values > self.max_allowed).any():
-            raise _invalid_priority(
-                values, lanes, indices, values > self.max_allowed,
-                f"is too large: with alpha={self.alpha} and {self.lanes * self.capacity} rows "
-                f"the sum tree could overflow to inf. Priorities must be at most "
-                f"{self.max_allowed!r}; nothing was updated. Fix: rescale or clip them (e.g. "
-                f"clip TD errors)")
-        if ((lanes < 0) | (lanes >= self.lanes)).any():
+        if not values.size:
+            return 0
+        # One pass of min/max for the usual case; the failing check says what is wrong.
+        low, high = float(values.min()), float(values.max())
+        if not (low >= 0 and high <= self.max_allowed and high < math.inf):
+            self._refuse(values, lanes, indices)
+        if not (0 <= int(lanes.min()) and int(lanes.max()) < self.lanes):
             raise ValueError(f"lanes must be in [0, {self.lanes})")
-        if (indices < 0).any():  # -1 is the generation of a slot never written
+        if int(indices.min()) < 0:  # -1 is the generation of a slot never written
             position = int(np.flatnonzero(indices < 0)[0])
             raise ValueError(
                 f"index {int(indices[position])} at position {position} is not a row: indices "
                 f"are the logical positions in batch.indices (>= 0); nothing was updated"
             )
-        slots = lanes * self.capacity + indices % self.capacity
-        current = self.gen[slots] == indices
-        self.updates_dropped += int((~current).sum())
-        if current.any():
-            sumtree.update(self.sums, self.mins, lanes[current], indices[current] % self.capacity,
-                           self._value(values[current]))
-            self.max_priority = max(self.max_priority, float(values[current].max()))
-        return int(current.sum())
+        leaves = indices % self.capacity
+        current = self.gen[lanes * self.capacity + leaves] == indices
+        applied = int(np.count_nonzero(current))
+        if applied < current.size:  # rows overwritten since they were sampled: dropped
+            self.updates_dropped += current.size - applied
+            lanes, leaves, values = lanes[current], leaves[current], values[current]
+            if not applied:
+                return 0
+            high = float(values.max())
+        sumtree.update(self.sums, self.mins, lanes, leaves, self._value(values))
+        self.max_priority = max(self.max_priority, high)
+        return applied
+
+    def _refuse(self, values: np.ndarray, lanes: np.ndarray, indices: np.ndarray) -> None:
+        """Raise ``InvalidPriorityError`` for the first priority ``update`` must not apply."""
+        bad = ~np.isfinite(values) | (values < 0)
+        if bad.any():
+            raise _invalid_priority(
+                values, lanes, indices, bad, "is not allowed: priorities must be finite and >= 0 "
+                f"({int(bad.sum())} bad of {values.size}); nothing was updated")
+        raise _invalid_priority(
+            values, lanes, indices, values > self.max_allowed,
+            f"is too large: with alpha={self.alpha} and {self.lanes * self.capacity} rows "
+            f"the sum tree could overflow to inf. Priorities must be at most "
+            f"{self.max_allowed!r}; nothing was updated. Fix: rescale or clip them (e.g. "
+            f"clip TD errors)")
 
     def retire(self, lanes: np.ndarray, indices: np.ndarray) -> None:
         """Priority zero: the rows are never drawn again (unless overwritten and re-entered).
@@ -208,41 +234,79 @@ class PriorityTable:
     # -- anyone: read-only draws -------------------------------------------------------------------
     def draw(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
         """``batch`` rows drawn in proportion to their priorities, each a row the buffer holds
-        (by its generation); with their probabilities and the smallest probability."""
-        capacity = self.capacity
-        lanes = np.empty(batch, np.int64)
-        indices = np.empty(batch, np.int64)
-        probs = np.empty(batch, np.float64)
-        todo = np.arange(batch)
-        for _ in range(DRAW_ROUNDS):
-            try:
-                drawn_lanes, leaves, total = sumtree.sample(self.sums, todo.size, rng)
-            except ValueError:
-                raise EmptyBufferError(
-                    "no row has a positive priority: nothing written yet (or every row retired)"
-                ) from None
-            leaves = np.minimum(leaves, capacity - 1)
-            slots = drawn_lanes * capacity + leaves
-            value = self.sums[drawn_lanes, leaves]
-            generation = self.gen[slots]
-            ok = ((value > 0) & (generation >= windows.lo[drawn_lanes])
-                  & (generation < windows.hi[drawn_lanes]))
-            lanes[todo[ok]], indices[todo[ok]] = drawn_lanes[ok], generation[ok]
-            probs[todo[ok]] = value[ok] / total
+        (by its generation); with their probabilities and the smallest probability. A leaf
+        whose row was overwritten is redrawn."""
+        return self._draw(windows, batch, rng, occupants=False)
+
+    def draw_held(self, windows: Windows, batch: int, rng: np.random.Generator) -> Draw:
+        """``draw``, except that a leaf whose row was overwritten by one not entered yet
+        delivers the slot's current occupant, with the probability the leaf was drawn with
+        (see the module docstring). Not for a buffer that stores FINAL rows (``draw`` there)."""
+        return self._draw(windows, batch, rng, occupants=not self.final_rows)
+
+    def _draw(self, windows: Windows, batch: int, rng: np.random.Generator,
+              occupants: bool) -> Draw:
+        lanes, indices, probs, total = self._draw_once(windows, batch, rng, occupants)
+        ok = probs > 0
+        if ok.all():  # the usual case: every leaf drawn holds a row the buffer holds
+            return Draw(lanes, indices, probs, self._pmin(total, probs))
+        todo = np.flatnonzero(~ok)
+        for _ in range(DRAW_ROUNDS - 1):
+            again = self._draw_once(windows, todo.size, rng, occupants)
+            ok = again[2] > 0
+            done = todo[ok]
+            lanes[done], indices[done], probs[done] = again[0][ok], again[1][ok], again[2][ok]
             todo = todo[~ok]
             if not todo.size:
-                pmin = float(sumtree.roots(self.mins).min()) / total
-                return Draw(lanes, indices, probs, min(pmin, float(probs.min())))
+                return Draw(lanes, indices, probs, self._pmin(total, probs))
         raise SamplingError(
             f"{todo.size} of {batch} prioritized draws kept landing on rows no longer held: "
             f"the learner's priority table lags the writers (it syncs in next())"
         )
+
+    def _draw_once(self, windows: Windows, batch: int, rng: np.random.Generator,
+                   occupants: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """(lanes, indices, probabilities, total) of ``batch`` leaves drawn once; the
+        probability is 0 where the leaf is zero or its row is not held (with ``occupants``:
+        where its slot's current occupant is not held either)."""
+        try:
+            lanes, leaves, total = sumtree.sample(self.sums, batch, rng)
+        except ValueError:
+            raise EmptyBufferError(
+                "no row has a positive priority: nothing written yet (or every row retired)"
+            ) from None
+        np.minimum(leaves, self.capacity - 1, out=leaves)
+        value = self.sums.reshape(-1)[lanes * self.sums.shape[1] + leaves]
+        generation = self.gen[lanes * self.capacity + leaves]
+        lo, hi = windows.lo[lanes], windows.hi[lanes]
+        held = (generation >= lo) & (generation < hi)
+        if occupants and not held.all():
+            moved = np.flatnonzero(~held)
+            newest = hi[moved] - 1  # the occupant: the newest index in the slot's ring position
+            generation[moved] = newest - (newest - leaves[moved]) % self.capacity
+            held[moved] = generation[moved] >= lo[moved]
+        value[~held] = 0.0
+        value /= total
+        return lanes, generation, value, total
+
+    def _pmin(self, total: float, probs: np.ndarray) -> float:
+        """The smallest probability of any row (of those drawn, if the tree's is larger)."""
+        return min(float(sumtree.roots(self.mins).min()) / total, float(probs.min()))
 
     def close(self) -> None:
         # Drop the views of the mapping so that it can be closed (idempotent).
         self.sums = self.mins = np.empty((self.lanes, 0))
         self.gen = np.empty(0, np.int64)
         self.segment.close()
+
+
+def _lanes_like(lanes: Any, indices: np.ndarray) -> np.ndarray:
+    """``lanes`` (one lane, or one per index) as an int64 array shaped like ``indices``."""
+    if isinstance(lanes, np.ndarray) and lanes.dtype == np.int64 and lanes.size == indices.size:
+        return lanes.reshape(-1)
+    if isinstance(lanes, (int, np.integer)):
+        return np.full(indices.size, lanes, np.int64)
+    return np.broadcast_to(np.asarray(lanes, np.int64), indices.shape).reshape(-1)
 
 
 def _invalid_priority(values: np.ndarray, lanes: np.ndarray, indices: np.ndarray,

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import shmbuf
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling import sumtree
 from tests import pool_procs as procs
@@ -73,5 +74,58 @@ def test_sync_enters_a_lapped_lane_as_slices_with_the_generations_of_the_rows_he
             np.testing.assert_array_equal(mins, table.mins)
             # An update for a row overwritten since it was drawn is dropped.
             assert table.update(np.zeros(1, np.int64), np.array([3]), np.array([9.0])) == 0
+        finally:
+            table.close()
+
+
+def test_a_leaf_whose_row_moved_on_delivers_the_slots_occupant_with_the_leafs_probability():
+    """Rows overwritten after the last sync: ``draw`` redraws their leaves (it never returns
+    them), ``draw_held`` delivers each slot's current occupant with the probability its leaf
+    was drawn with (the old row's value / total), so the importance weight is exact for how it
+    was drawn. The learner's update for such a row applies once sync has entered it."""
+    with procs.new_buffer(capacity=16, lanes=1) as buf:
+        table = PriorityTable.create(buf, alpha=1.0, eps=0.0)
+        try:
+            table.sync(buf)
+            old = np.arange(16)
+            table.update(np.zeros(16, np.int64), old, np.where(old < 8, 1.0, 3.0))
+            procs.fill(buf, 8)  # rows 16..23 overwrite rows 0..7; the table still has 0..7
+            rng = np.random.default_rng(0)
+            exact = table.draw(buf.windows(), 4000, rng)
+            assert (exact.indices >= 8).all() and (exact.indices < 16).all()
+            held = table.draw_held(buf.windows(), 4000, rng)
+            assert held.probs is not None
+            assert ((held.indices >= 8) & (held.indices < 24)).all()
+            moved = held.indices >= 16
+            assert 0.1 < moved.mean() < 0.4  # the old leaves' share: 8 / (8 + 24)
+            np.testing.assert_array_equal(held.probs, np.where(moved, 1.0, 3.0) / 32.0)
+            assert held.pmin == 1.0 / 32.0
+            assert table.update(np.zeros(1, np.int64), np.array([20]), np.array([2.0])) == 0
+            table.sync(buf)  # row 20 enters, then its update applies
+            assert table.update(np.zeros(1, np.int64), np.array([20]), np.array([2.0])) == 1
+            np.testing.assert_array_equal(table.leaf_values(np.zeros(1, np.int64), np.array([20])), 2.0)
+        finally:
+            table.close()
+
+
+def test_draw_held_redraws_in_a_buffer_that_stores_final_rows():
+    """With derived next_obs a slot's occupant may be an episode's FINAL row (not a
+    transition): there ``draw_held`` redraws moved leaves as ``draw`` does."""
+    spec = shmbuf.Spec({"obs": ((2,), "float32")})
+    with shmbuf.ReplayBuffer.create(spec, capacity=16, lanes=1, next_obs="derived") as buf:
+        obs = np.zeros((7, 2), np.float32)
+        with buf.writer(lane=0) as w:
+            w.extend({"obs": obs, "next_obs": obs + 1})
+            w.end_episode(truncated=False)  # a FINAL row after the 7 transitions
+        table = PriorityTable.create(buf)
+        try:
+            assert table.final_rows
+            table.sync(buf)
+            with buf.writer(lane=0) as w:  # laps the ring: the rows the table knows are gone
+                for _ in range(3):
+                    w.extend({"obs": obs, "next_obs": obs + 1})
+                    w.end_episode(truncated=False)
+            with pytest.raises(shmbuf.SamplingError):
+                table.draw_held(buf.windows(), 8, np.random.default_rng(0))
         finally:
             table.close()

@@ -110,13 +110,15 @@ class BatchFiller:
 
     def _sample_prioritized(self, table: PriorityTable, target: dict[str, np.ndarray],
                             rng: np.random.Generator, wait: Wait) -> Draw:
-        # When writers lap the buffer faster than the learner enters their rows, the table's
-        # leaves point at overwritten rows for a while: that is "not ready yet", not an error,
-        # so wait for the learner's next sync.
+        # A leaf whose row was overwritten by one the learner has not entered yet delivers the
+        # slot's current occupant (``draw_held``); only leaves of slots being written right now
+        # are redrawn. Should every draw keep landing there (or nothing be entered yet), that
+        # is "not ready yet", not an error: wait for the learner's next sync.
         backoff = Backoff(1e-4, 5e-3)
         while True:
             try:
-                return self.buf.sample_into(target, rng, plan=self.compiled, sampler=table.draw)
+                return self.buf.sample_into(target, rng, plan=self.compiled,
+                                            sampler=table.draw_held)
             except (SamplingError, EmptyBufferError):
                 wait(backoff)
 

@@ -3,9 +3,15 @@
 Each lane's tree is one row of a ``[lanes, width]`` float64 array: the leaves first (leaf j is
 column j), then each level of parents up to the root (the last column). A node is the sum (min
 tree: the smallest positive leaf, +inf for none) of its ``FANOUT`` children, a contiguous block
-of the level below: 5 levels for 100k leaves, 6 for 10M, so an update or a descent is a handful
-of NumPy calls per level for the whole batch. Parents are always recomputed from their children
-(never adjusted by deltas), so sums cannot drift.
+of the level below: 5 levels for 100k leaves, 6 for 10M. Parents are always recomputed from
+their children (never adjusted by deltas), so sums cannot drift.
+
+NumPy's cost is per call, so each step is a handful of calls for the whole batch: ``sample``
+finds each draw's node at a small level (<= ``TOP_NODES`` over all lanes) with one cumulative
+sum and one ``searchsorted``, then descends the 2-3 levels below by blocks, with one matrix
+product giving the prefix sums of every draw's block at once (``np.cumsum`` is a scalar loop);
+``update`` recomputes the touched parents level by level as ``[FANOUT, n]`` gathers, and the
+small top levels whole from cached index plans.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ from functools import lru_cache
 import numpy as np
 
 FANOUT = 16  # children per node (a power of two: see block_sums)
+TOP_NODES = 4096  # sample() draws from the lowest level this small with one cumulative sum
+WHOLE_LEVEL = 4096  # update() recomputes the levels above one this small whole
+# Row k: the sum of the children before child k (a block's exclusive prefix sums, and its
+# total last) as one matrix product.
+_PREFIX = np.tril(np.ones((FANOUT + 1, FANOUT)), -1)
+_CHILD = np.arange(FANOUT, dtype=np.int64)[:, None]  # a block's children, as a column
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -92,62 +104,175 @@ def update(sums: np.ndarray, mins: np.ndarray, lanes: np.ndarray, leaves: np.nda
     if leaves.size == 0:
         return
     width = sums.shape[1]
-    lanes = lanes.astype(np.int64, copy=False)
-    flat = lanes * width + leaves.astype(np.int64, copy=False)
+    base = lanes.astype(np.int64, copy=False) * width  # each draw's lane row, flat
+    leaves = leaves.astype(np.int64, copy=False)
     values = np.asarray(values, np.float64)
-    sums.reshape(-1)[flat] = values
-    mins.reshape(-1)[flat] = _positive_or_inf(values)
-    key = np.unique(flat)  # sorted: parents of sorted nodes stay sorted, dups adjacent
-    lane, node = key // width, key % width
-    _fix_parents(sums, mins, lane, node)
-
-
-def _fix_parents(sums: np.ndarray, mins: np.ndarray, lane: np.ndarray, node: np.ndarray) -> None:
-    """Recompute the ancestors of the sorted, unique (lane, level-0 node) pairs."""
-    tree_levels = levels(sums.shape[1])
     flat_sums, flat_mins = sums.reshape(-1), mins.reshape(-1)
-    width = sums.shape[1]
-    for (offset, size), (parent_offset, _) in zip(tree_levels[:-1], tree_levels[1:]):
+    flat = base + leaves
+    flat_sums[flat] = values
+    flat_mins[flat] = _positive_or_inf(values)
+    _fix_parents(flat_sums, flat_mins, width, base, leaves)
+
+
+def _fix_parents(flat_sums: np.ndarray, flat_mins: np.ndarray, width: int, base: np.ndarray,
+                 node: np.ndarray) -> None:
+    """Recompute the ancestors of level-0 nodes ``node`` of the lane rows at flat ``base``.
+
+    Per level, each touched parent's block of children is gathered (``_windows``) and
+    transposed into a ``[FANOUT, n]`` array, a block per column, so that the halving sums and
+    the min run over whole rows. Duplicates are kept: a parent touched twice is written twice
+    with the same value, which is cheaper than finding the distinct ones. Once a level is small
+    (``WHOLE_LEVEL`` nodes over all lanes), the levels above it are recomputed whole.
+    """
+    tree_levels = levels(width)
+    lanes = flat_sums.size // width
+    sum_windows, min_windows = _windows(flat_sums), _windows(flat_mins)
+    for level, ((offset, size), (parent_offset, _)) in enumerate(
+            zip(tree_levels[:-1], tree_levels[1:])):
+        if size * lanes <= WHOLE_LEVEL:
+            _fix_whole_levels(flat_sums.reshape(lanes, width), flat_mins.reshape(lanes, width),
+                              level)
+            return
         node = node // FANOUT
-        keep = np.empty(node.size, bool)
-        keep[0] = True
-        np.not_equal(node[1:], node[:-1], out=keep[1:])
-        keep[1:] |= lane[1:] != lane[:-1]
-        node, lane = node[keep], lane[keep]
-        target = lane * width + parent_offset + node
-        flat_sums[target] = block_sums(_blocks(sums, offset, size)[lane, node])
-        flat_mins[target] = _blocks(mins, offset, size)[lane, node].min(axis=1)
+        first = base + (offset + node * FANOUT)  # each parent's first child, flat
+        target = base + (parent_offset + node)
+        children = np.ascontiguousarray(sum_windows[first].T)
+        flat_sums[target] = block_sums(children.T)
+        if level == 0:  # the min tree's leaves are the sum tree's positive ones
+            flat_mins[target] = _positive_or_inf(children).min(axis=0)
+        else:
+            flat_mins[target] = np.ascontiguousarray(min_windows[first].T).min(axis=0)
 
 
-def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.ndarray) -> None:
+@lru_cache(maxsize=64)
+def _whole_levels(width: int, lanes: int, first: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per level above level ``first``, bottom up: the flat positions of every real parent's
+    children as a ``[FANOUT, parents]`` array (a block per column), and of the parents."""
+    tree_levels = levels(width)
+    plan = []
+    for (offset, size), (parent_offset, _) in list(
+            zip(tree_levels[:-1], tree_levels[1:]))[first:]:
+        n = size // FANOUT
+        lane_base = np.repeat(np.arange(lanes, dtype=np.int64) * width, n)
+        node = np.tile(np.arange(n, dtype=np.int64), lanes)
+        children = (lane_base + offset + node * FANOUT)[None, :] + _CHILD
+        parents = lane_base + parent_offset + node
+        children.flags.writeable = parents.flags.writeable = False
+        plan.append((children, parents))
+    return plan
+
+
+def _windows(flat: np.ndarray) -> np.ndarray:
+    """Row i of the result is ``flat[i:i + FANOUT]`` (a view): fancy-indexing it with a
+    block's first position gathers the block."""
+    return np.ndarray((flat.size - FANOUT + 1, FANOUT), flat.dtype, flat, 0,
+                      (flat.itemsize, flat.itemsize))
+
+
+def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.ndarray,
+         top: bool = True) -> None:
     """Set leaves ``[start, start + len(values))`` of ``lane`` and recompute their ancestors:
-    slices only, so entering a contiguous run of new rows costs a memset, not a per-row walk."""
+    slices only, so entering a contiguous run of new rows costs a memset, not a per-row walk.
+    With ``top=False`` the small top levels (``WHOLE_LEVEL``) are left to one ``fix_top``
+    call after several runs."""
     stop = start + values.size
     if stop <= start:
         return
     sums[lane, start:stop] = values
     mins[lane, start:stop] = _positive_or_inf(values)
     tree_levels = levels(sums.shape[1])
-    for (offset, size), (parent_offset, _) in zip(tree_levels[:-1], tree_levels[1:]):
+    for level, ((offset, size), (parent_offset, _)) in enumerate(
+            zip(tree_levels[:-1], tree_levels[1:])):
+        if size * sums.shape[0] <= WHOLE_LEVEL:
+            if top:
+                _fix_whole_levels(sums, mins, level)
+            return
         start, stop = start // FANOUT, (stop - 1) // FANOUT + 1
-        sums[lane, parent_offset + start:parent_offset + stop] = (
-            block_sums(_blocks(sums, offset, size)[lane, start:stop]))
-        mins[lane, parent_offset + start:parent_offset + stop] = (
-            _blocks(mins, offset, size)[lane, start:stop].min(axis=1))
+        # Column-major copies: the halving sums and the min then run along the blocks (a
+        # block's children are only FANOUT apart), several times faster for long runs.
+        sums[lane, parent_offset + start:parent_offset + stop] = block_sums(
+            np.asfortranarray(_blocks(sums, offset, size)[lane, start:stop]))
+        mins[lane, parent_offset + start:parent_offset + stop] = np.asfortranarray(
+            _blocks(mins, offset, size)[lane, start:stop]).min(axis=1)
+
+
+def fix_top(sums: np.ndarray, mins: np.ndarray) -> None:
+    """Recompute the small top levels of every lane (after ``fill(..., top=False)`` runs)."""
+    tree_levels = levels(sums.shape[1])
+    for level, (_, size) in enumerate(tree_levels[:-1]):
+        if size * sums.shape[0] <= WHOLE_LEVEL:
+            _fix_whole_levels(sums, mins, level)
+            return
+
+
+def _fix_whole_levels(sums: np.ndarray, mins: np.ndarray, first: int) -> None:
+    """Every parent above level ``first`` (a small one), from cached index plans."""
+    flat_sums, flat_mins = sums.reshape(-1), mins.reshape(-1)
+    for children, target in _whole_levels(sums.shape[1], sums.shape[0], first):
+        flat_sums[target] = block_sums(flat_sums.take(children).T)
+        flat_mins[target] = flat_mins.take(children).min(axis=0)
 
 
 def rebuild(sums: np.ndarray, mins: np.ndarray) -> None:
     """Recompute every parent (and the min tree's leaves) from the sum tree's leaves."""
-    tree_levels = levels(sums.shape[1])
-    leaves = tree_levels[0][1]
+    leaves = levels(sums.shape[1])[0][1]
     mins[:, :leaves] = _positive_or_inf(sums[:, :leaves])
-    for (offset, size), (parent_offset, parent_size) in zip(tree_levels[:-1], tree_levels[1:]):
+    _rebuild_from(sums, mins, 0, padding=True)
+
+
+def _rebuild_from(sums: np.ndarray, mins: np.ndarray, first: int, padding: bool) -> None:
+    """Recompute every parent above level ``first`` from its children, with slices (and the
+    padding nodes, which stay 0 and inf once set, if ``padding``)."""
+    tree_levels = levels(sums.shape[1])
+    for (offset, size), (parent_offset, parent_size) in list(
+            zip(tree_levels[:-1], tree_levels[1:]))[first:]:
         n = size // FANOUT
         sums[:, parent_offset:parent_offset + n] = block_sums(_blocks(sums, offset, size))
         mins[:, parent_offset:parent_offset + n] = _blocks(mins, offset, size).min(axis=2)
-        if parent_size > n:  # padding nodes of a level: no leaves below them
+        if padding and parent_size > n:  # padding nodes of a level: no leaves below them
             sums[:, parent_offset + n:parent_offset + parent_size] = 0.0
             mins[:, parent_offset + n:parent_offset + parent_size] = np.inf
+
+
+def _top_level(tree_levels: tuple[tuple[int, int], ...], lanes: int) -> int:
+    """The lowest level small enough (``TOP_NODES`` nodes over all lanes) for ``sample`` to
+    draw its node with one cumulative sum: the top level of the tree (a block) at most."""
+    for level, (_, size) in enumerate(tree_levels[:-1]):
+        if size * lanes <= TOP_NODES:
+            return level
+    return len(tree_levels) - 2
+
+
+def _last_nodes(tree_levels: tuple[tuple[int, int], ...]) -> list[int]:
+    """Per level, the largest node a descent may pass down: a block of the level below, or
+    a leaf."""
+    return [tree_levels[0][1] - 1] + [size // FANOUT - 1 for _, size in tree_levels[:-2]]
+
+
+def _descend_below(flat_sums: np.ndarray, tree_levels: tuple[tuple[int, int], ...], top: int,
+                   base: np.ndarray, node: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Leaves reached from nodes ``node`` of level ``top`` (of the lane rows at flat ``base``),
+    ``u`` (modified) being what is left of each draw within its node.
+
+    Per level, each draw's block of children is gathered (``_windows``); one matrix product gives every prefix sum of every block (row k: the children
+    before child k), and the child is the number of inclusive prefix sums <= u (zero children
+    own no interval). Prefix sums round differently from the halving sums of the parents (a
+    few ulps): a draw carried past the last child takes it, possibly a zero leaf that
+    ``PriorityTable.draw`` redraws.
+    """
+    last = _last_nodes(tree_levels)
+    if top < len(last):  # (the root has no sibling to clamp to)
+        node = np.minimum(node, last[top])
+    columns = np.arange(node.size, dtype=np.int64)
+    windows = _windows(flat_sums)
+    for level in range(top - 1, -1, -1):
+        offset, _ = tree_levels[level]
+        prefix = _PREFIX @ windows[base + (offset + node * FANOUT)].T  # [FANOUT + 1, n]
+        below = prefix[1:FANOUT] <= u
+        child = below.view(np.uint8).sum(axis=0, dtype=np.int64)
+        u -= prefix.reshape(-1)[child * node.size + columns]
+        node = np.minimum(node * FANOUT + child, last[level])
+    return node
 
 
 def descend(sums: np.ndarray, lanes: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -155,43 +280,45 @@ def descend(sums: np.ndarray, lanes: np.ndarray, u: np.ndarray) -> np.ndarray:
 
     Proportional sampling: with u uniform, leaf j is found with probability value_j / total.
     Per level, each draw takes its node's block of children and the first child whose
-    cumulative sum exceeds what is left of u. The running sum rounds at the scale of the blocks
-    before it (a few ulps of the batch's block sums): a draw carried onto a zero leaf that way is
-    redrawn by ``PriorityTable.draw``.
+    cumulative sum exceeds what is left of u (``_descend_below``, from the root).
     """
     tree_levels = levels(sums.shape[1])
     lanes = lanes.astype(np.int64, copy=False)
     u = u.astype(np.float64, copy=True)
-    node = np.zeros(u.shape, np.int64)
-    starts = np.arange(u.size, dtype=np.int64) * FANOUT
-    running = np.zeros(u.size * FANOUT + 1)  # [0, running sums of every draw's block]
-    # The largest node each level may pass down: a block of the level below, or a leaf.
-    last = [tree_levels[0][1] - 1] + [size // FANOUT - 1 for _, size in tree_levels[:-2]]
-    for (offset, size), limit in zip(reversed(tree_levels[:-1]), reversed(last)):
-        # One flat running sum over every draw's block of children (``np.cumsum(axis=1)``
-        # pays a call per row); a draw's prefix sums are its stretch minus what came before.
-        np.cumsum(_blocks(sums, offset, size)[lanes, node], out=running[1:])
-        before = running[starts]
-        child = np.searchsorted(running[1:], u + before, side="right") - starts
-        np.minimum(np.maximum(child, 0, out=child), FANOUT - 1, out=child)
-        u -= running[starts + child] - before
-        # A reader racing the learner's update (a parent ahead of its children) can be carried
-        # onto a padding node: stay inside the tree, on a zero leaf that the caller redraws.
-        node = np.minimum(node * FANOUT + child, limit)
-    return node
+    return _descend_below(sums.reshape(-1), tree_levels, len(tree_levels) - 1,
+                          lanes * sums.shape[1], np.zeros(u.shape, np.int64), u)
 
 
 def sample(sums: np.ndarray, batch: int, rng: np.random.Generator
            ) -> tuple[np.ndarray, np.ndarray, float]:
     """(lanes, leaves, total): ``batch`` leaves drawn in proportion to their values, across
-    lanes in proportion to each lane's total. Raises ValueError if every leaf is zero."""
-    lane_totals = roots(sums).copy()
-    ends = np.cumsum(lane_totals)
-    total = float(ends[-1])
-    if not total > 0:
+    lanes in proportion to each lane's total. Raises ValueError if every leaf is zero.
+
+    The draws start at a small level (``_top_level``) of every lane at once: one cumulative
+    sum over its nodes, lane after lane, and one ``searchsorted`` find each draw's lane and
+    node; ``_descend_below`` takes them to the leaves.
+    """
+    lanes_count, width = sums.shape
+    tree_levels = levels(width)
+    top = _top_level(tree_levels, lanes_count)
+    offset, size = tree_levels[top]
+    cum = np.empty(lanes_count * size + 1)
+    cum[0] = 0.0
+    np.cumsum(sums[:, offset:offset + size], out=cum[1:])
+    drawn = float(cum[-1])
+    if not drawn > 0:
         raise ValueError("every priority is zero")
-    u = rng.random(batch) * total
-    lanes = np.minimum(np.searchsorted(ends, u, side="right"), len(lane_totals) - 1)
-    local = u - (ends[lanes] - lane_totals[lanes])
-    local = np.minimum(local, np.nextafter(lane_totals[lanes], 0))
-    return lanes, descend(sums, lanes, local), total
+    u = rng.random(batch)
+    u *= drawn
+    np.minimum(u, np.nextafter(drawn, 0), out=u)
+    position = cum.searchsorted(u, side="right") - 1  # cum[position] <= u < cum[position + 1]
+    np.minimum(position, lanes_count * size - 1, out=position)
+    u -= cum[position]
+    lanes = position // size
+    base = lanes * width
+    leaves = _descend_below(sums.reshape(-1), tree_levels, top, base, position - lanes * size, u)
+    # Probabilities are against the roots, as ``PriorityTable.total`` reports them. Read after
+    # the level the draws started from, they can be zero while the learner updates the tree
+    # under a worker's draw: then against that level's mass, which the draws were made from.
+    total = float(roots(sums).sum())
+    return lanes, leaves, total if total > 0 else drawn
