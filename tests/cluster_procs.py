@@ -46,6 +46,9 @@ def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
     """Start ``n_nodes`` Ray nodes on this machine and connect; on exit shut all of it down and
     check that no process of it is left and no cluster segment is left in /dev/shm."""
     mine_before = set(descendants(os.getpid()))
+    # Other sessions on this machine may run clusters too: only segments that appear while
+    # this one runs are its own to check and remove.
+    others = {i.name for i in segment_scan.scan() if i.name.startswith("shmbuf-ray-")}
     # ray.init puts its own SIGTERM handler in the driver and leaves it there: later tests fork
     # children that must inherit shmbuf's (tests/test_hardening_segment.py), so restore them.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
@@ -67,7 +70,8 @@ def local_ray_cluster(n_nodes: int) -> Iterator[Cluster]:
                  if p not in mine_before and not _multiprocessing_server(p)]
         left = wait_dead(stray, timeout=30.0)
         kill_quietly(left)
-        shm = [i.name for i in segment_scan.scan() if i.name.startswith("shmbuf-ray-")]
+        shm = [i.name for i in segment_scan.scan()
+               if i.name.startswith("shmbuf-ray-") and i.name not in others and not i.alive]
         for name in shm:
             shmdir.unlink(name)
     assert not left, f"Ray cluster processes still running after shutdown: {left}"
