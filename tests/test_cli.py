@@ -169,7 +169,7 @@ def test_other_segment_kinds_show_their_header(capsys):
             "staging ring", "alive", None, None)
         assert cli.main(["inspect", seg.name]) == 0
         out = capsys.readouterr().out
-        assert "kind:     staging ring (format 1)" in out and '"slots": 3' in out
+        assert f"kind:     staging ring (format {layout.FORMAT_VERSION})" in out and '"slots": 3' in out
     finally:
         seg.close()
 

@@ -628,7 +628,8 @@ def test_every_kind_has_one_name_used_by_ls_and_inspect(capsys):
     seg = Segment.create(_name("prio"), L.KIND_PRIORITY, doc, L.header_size)
     try:
         assert cli.main(["inspect", seg.name]) == 0
-        assert "kind:     priority table (format 1)" in capsys.readouterr().out
+        assert (f"kind:     priority table (format {L.FORMAT_VERSION})"
+                in capsys.readouterr().out)
         assert cli.main(["ls", "--json"]) == 0
         listed = {s["name"]: s for s in json.loads(capsys.readouterr().out)}
         assert listed[seg.name]["kind"] == "priority table"

@@ -35,12 +35,18 @@ def buf():
     b.close()
 
 
-def _freeze_when(pid: int, predicate, timeout: float = 20.0) -> bool:
+def _freeze_when(pid: int, predicate, timeout: float = 20.0, nudge=None) -> bool:
     """Spin until ``predicate()`` holds, SIGSTOP ``pid`` and re-check; resume and retry when it
-    no longer holds. Returns True with ``pid`` stopped while ``predicate()`` is true."""
+    no longer holds. Returns True with ``pid`` stopped while ``predicate()`` is true.
+    ``nudge()``, if given, runs every 50 ms while it does not hold (e.g. take a batch, so that
+    workers whose slots are all ready fill again)."""
     deadline = time.monotonic() + timeout
+    nudge_at = time.monotonic() + 0.05
     while time.monotonic() < deadline:
         if not predicate():
+            if nudge is not None and time.monotonic() >= nudge_at:
+                nudge()
+                nudge_at = time.monotonic() + 0.05
             time.sleep(0)
             continue
         os.kill(pid, signal.SIGSTOP)
@@ -66,6 +72,12 @@ def test_worker_killed_mid_fill_is_replaced_and_learner_goes_on(buf, start_metho
         ring = pool._delivery.ring
         procs.assert_batch_ok(pool.next(timeout=30), 8)
         delivered = 1
+
+        def take_one() -> None:  # once every slot is ready, nobody fills until one is taken
+            nonlocal delivered
+            procs.assert_batch_ok(pool.next(timeout=10), 8)
+            delivered += 1
+
         for k in range(kills):
             wid = k % 2
             pid = pool.stats()["workers"][wid]["pid"]
@@ -74,7 +86,7 @@ def test_worker_killed_mid_fill_is_replaced_and_learner_goes_on(buf, start_metho
                 return any(ring.get(s, W_STATE) == FILLING and ring.get(s, W_OWNER) == wid  # noqa: B023
                            for s in range(ring.n_slots))
 
-            assert _freeze_when(pid, filling), f"worker {wid} never seen mid-fill"
+            assert _freeze_when(pid, filling, nudge=take_one), f"worker {wid} never seen mid-fill"
             lost = [s for s in range(ring.n_slots)
                     if ring.get(s, W_STATE) == FILLING and ring.get(s, W_OWNER) == wid]
             gen_before = {s: ring.get(s, W_GENERATION) for s in lost}
