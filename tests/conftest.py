@@ -78,6 +78,16 @@ def no_stray_children():
         p.join(5)
 
 
+@pytest.fixture(scope="module")
+def nodes():
+    """A local 3-node Ray cluster for one test module (``tests/cluster_procs``), its node ids
+    with the learner's node first. Only modules that skip without Ray ask for it."""
+    from tests import cluster_procs
+
+    with cluster_procs.learner_first_nodes(3) as ids:
+        yield ids
+
+
 @pytest.fixture(params=START_METHODS)
 def start_method(request) -> str:
     return request.param

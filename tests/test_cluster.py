@@ -23,12 +23,6 @@ LANES = 2
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    with cp.learner_first_nodes(3) as ids:  # the learner's node first
-        yield ids
-
-
-@pytest.fixture(scope="module")
 def filled(nodes):
     """A cluster over the 3 nodes holding 150 / 450 / 900 rows (node 0 is the learner's)."""
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=600, lanes_per_node=LANES,

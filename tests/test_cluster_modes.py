@@ -25,12 +25,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 LANES = 2
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    with cp.learner_first_nodes(3) as ids:  # the learner's node first
-        yield ids
-
-
 def priority_of(node: np.ndarray, index: np.ndarray) -> np.ndarray:
     """The test's priorities: node k's rows weigh (k+1) * (1, 2 or 3 by index % 3)."""
     return (node + 1.0) * (1.0 + index % 3)

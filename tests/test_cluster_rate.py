@@ -29,16 +29,24 @@ LANES = 2
 RATIO, TOL, MIN_SIZE, BATCH, CHUNK = 1.0, 64.0, 200, 16, 16
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    with cp.learner_first_nodes(3) as ids:  # the learner's node first
-        yield ids
-
-
 def committed(cluster: ReplayCluster) -> np.ndarray:
     """Rows committed on each node now (its lanes' words, read through shared memory: the
     nodes share this machine, and a node's buffer outlives its host)."""
     return np.array([cluster.buffer(n).committed().sum() for n in cluster.node_ids], np.int64)
+
+
+def start_writers(cluster: ReplayCluster) -> tuple[list, list]:
+    """One ``RowWriter`` actor per node, each adding ``CHUNK``-row chunks with a 1 s insert
+    timeout (so a held writer counts ``RateLimitTimeout``s); the actors and their runs."""
+    writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
+               for k, n in enumerate(cluster.node_ids)]
+    return writers, [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+
+
+def stop_writers(writers: list, runs: list) -> None:
+    """Ask ``start_writers``' actors to stop and wait for their runs to end (bounded)."""
+    ray.get([w.stop.remote() for w in writers], timeout=30)
+    ray.get(runs, timeout=30)
 
 
 def cluster_overshoot_bound(n_nodes: int) -> float:
@@ -70,9 +78,7 @@ def test_writers_of_every_node_follow_the_learner(nodes):
                        nodes=nodes) as cluster:
         sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
                                   seed=5, timeout=60)
-        writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
-                   for k, n in enumerate(cluster.node_ids)]
-        runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+        writers, runs = start_writers(cluster)
         try:
             samples = 0
             for _ in range(40):  # a slow learner: the writers are the ones held back
@@ -112,8 +118,7 @@ def test_writers_of_every_node_follow_the_learner(nodes):
                         "every node's writers to resume after the sampler closed")
         finally:
             sampler.close()
-            ray.get([w.stop.remote() for w in writers], timeout=30)
-            ray.get(runs, timeout=30)
+            stop_writers(writers, runs)
 
 
 @pytest.mark.ray
@@ -127,9 +132,7 @@ def test_writers_are_free_until_the_cluster_holds_min_size(nodes):
                        nodes=nodes) as cluster:
         with cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=min_size,
                              timeout=60) as sampler:
-            writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
-                       for k, n in enumerate(cluster.node_ids)]
-            runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+            writers, runs = start_writers(cluster)
             try:
                 sampler.next()  # waits for min_size over the cluster (reporting meanwhile)
                 time.sleep(1.0)
@@ -139,8 +142,7 @@ def test_writers_are_free_until_the_cluster_holds_min_size(nodes):
                 assert after.sum() >= min_size
                 assert after.sum() <= len(nodes) * (min_size + TOL / RATIO + BATCH), after
             finally:
-                ray.get([w.stop.remote() for w in writers], timeout=30)
-                ray.get(runs, timeout=30)
+                stop_writers(writers, runs)
 
 
 @pytest.mark.ray
@@ -151,9 +153,7 @@ def test_a_restarted_host_holds_its_writers_again(nodes):
                        nodes=nodes, host_restarts=1) as cluster:
         sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
                                   seed=6, timeout=90)
-        writers = [cp.RowWriter.options(**cluster.on_node(n)).remote(cluster, k, LANES)
-                   for k, n in enumerate(cluster.node_ids)]
-        runs = [w.run.remote(CHUNK, insert_timeout=1.0) for w in writers]
+        writers, runs = start_writers(cluster)
         try:
             for _ in range(20):
                 sampler.next()
@@ -173,8 +173,7 @@ def test_a_restarted_host_holds_its_writers_again(nodes):
             assert (after == before).all(), (before, after)
         finally:
             sampler.close()
-            ray.get([w.stop.remote() for w in writers], timeout=30)
-            ray.get(runs, timeout=30)
+            stop_writers(writers, runs)
 
 
 def test_node_limit_counts_the_cluster():
