@@ -18,6 +18,7 @@ gym = pytest.importorskip("gymnasium")
 from gymnasium import spaces  # noqa: E402
 from stable_baselines3.common.buffers import DictReplayBuffer as Sb3DictReplayBuffer  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer as Sb3ReplayBuffer  # noqa: E402
+from stable_baselines3.common.logger import Logger  # noqa: E402
 
 import shmbuf  # noqa: E402
 from shmbuf.integrations.sb3 import DictReplayBuffer, ReplayBuffer  # noqa: E402
@@ -32,6 +33,24 @@ def one_torch_thread():
     th.set_num_threads(1)
     yield
     th.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def no_sb3_log_folders_left(tmp_path, monkeypatch):
+    """A model that learns with no logger of its own makes a ``SB3-<date>`` folder in the temp
+    directory and leaves it there: every model here gets ``silent_logger`` instead. SB3 makes its
+    default folder at ``$SB3_LOGDIR`` when that is set: a private path no test should create (so
+    other sessions' folders in /tmp cannot fail this check)."""
+    default_folder = tmp_path / "sb3_default_log_folder"
+    monkeypatch.setenv("SB3_LOGDIR", str(default_folder))
+    yield
+    assert not default_folder.exists(), "a model logged to SB3's default folder: use silent_logger"
+
+
+def silent_logger(model):
+    """``model`` with a logger that has no folder and no outputs (SB3's default makes a folder)."""
+    model.set_logger(Logger(folder=None, output_formats=[]))
+    return model
 
 
 def feed(buffers, obs_space, act_space, n_envs, steps, seed=0):
@@ -180,9 +199,10 @@ def test_save_load_round_trip_and_reset(tmp_path):
 
 
 def _dqn(buffer_class, **kw):
-    return sb3.DQN("MlpPolicy", "CartPole-v1", buffer_size=2_000, learning_starts=100,
-                   train_freq=4, batch_size=32, seed=0, policy_kwargs={"net_arch": [32]},
-                   replay_buffer_class=buffer_class, **kw)
+    return silent_logger(sb3.DQN(
+        "MlpPolicy", "CartPole-v1", buffer_size=2_000, learning_starts=100, train_freq=4,
+        batch_size=32, seed=0, policy_kwargs={"net_arch": [32]}, replay_buffer_class=buffer_class,
+        **kw))
 
 
 def test_dqn_cartpole_trains_identically_to_sb3s_buffer(tmp_path):
@@ -228,6 +248,7 @@ def test_continuous_control_trains_with_two_envs(algo):
     model = getattr(sb3, algo)("MlpPolicy", env, buffer_size=1_000, learning_starts=50,
                                batch_size=32, seed=0, policy_kwargs={"net_arch": [16]},
                                replay_buffer_class=ReplayBuffer)
+    silent_logger(model)
     try:
         model.learn(200)
         assert len(model.replay_buffer) == 200 and model.replay_buffer.size() == 100
