@@ -2,13 +2,12 @@
 """cpprb's ``MPPrioritizedReplayBuffer`` under writer processes: issue 16's peer for the
 "under load" rows of ``scripts/bench_per.py`` (the same rows, chunks, pacing and timing).
 
-    python scripts/per_mp_peer.py [--seconds S] [--rows N] [--json PATH]
+    python scripts/per_mp_peer.py [--seconds S] [--rows N]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import sys
 import time
@@ -119,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    res: dict[str, Any] = {}
     print(f"cpprb MPPrioritizedReplayBuffer, {WRITERS} writer processes (spawn) adding "
           f"{CHUNK}-row chunks, {args.rows} rows of {COLUMNS} float32, B={B}, one update of "
           f"{B} priorities per batch")
@@ -129,16 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for rate in RATES:
         label = "flat out" if rate is None else f"{rate:,.0f}"
-        r = res[label] = cpprb_mp_under_load(rate, args.seconds, args.rows)
+        r = cpprb_mp_under_load(rate, args.seconds, args.rows)
         if "skipped" in r:
             print(r["skipped"])
             return 0
         print(f"| {label} | {r['learner_batches_per_s']:,.0f} | "
               f"{r['learner_batches_per_s'] / r['quiet']:.2f} of {r['quiet']:,.0f} | "
               f"{r['writer_rows_per_s']:,.0f} |" + (f" RAISED {r['raised']}" if r["raised"] else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
     return 0
 
 
