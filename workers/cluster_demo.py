@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from typing import Any, Callable
 
 from shmbuf.segment import fmt_bytes
 from shmbuf.shmdir import shm_free_bytes
+
+from .demo_line import LiveLine
 
 NODE_CPUS = 1
 OBJECT_STORE_BYTES = 256 << 20
@@ -83,7 +84,6 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
           f"{args.seconds:g} s", flush=True)
     t0 = time.monotonic()
     local = start_local_cluster(n)
-    tty = sys.stdout.isatty()
     batches = 0
     try:
         with ReplayCluster(spec, capacity, lanes) as cluster:
@@ -94,37 +94,30 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
                 print(f"cluster up in {time.monotonic() - t0:.1f} s: nodes "
                       f"{', '.join(i[:6] for i in cluster.node_ids)} (learner on "
                       f"{current_node_id()[:6]}: 'here')", flush=True)
-                start = last_t = time.monotonic()
-                last_batches, last_inserts, last_wait = 0, 0, 0.0
+                line = LiveLine(batch_bytes)
+                last_wait = 0.0
                 per_node: dict[str, tuple[int, int]] = {}
-                while time.monotonic() - start < args.seconds:
+                while line.elapsed() < args.seconds:
                     batch = sampler.next()
                     train_step(batch, args.train_ms)
                     batches += 1
-                    now = time.monotonic()
-                    if now - last_t >= (0.5 if tty else 2.0):
+                    dt = line.due()
+                    if dt is not None:
                         group.poll()
                         st = sampler.stats()
-                        inserts = sum(x["committed"] for x in st["nodes"])
-                        dt = now - last_t
-                        bps = (batches - last_batches) / dt
-                        wait = (st["learner_wait_s"] - last_wait) / max(batches - last_batches, 1)
-                        line = (f"inserts/s {(inserts - last_inserts) / dt:9,.0f} | batches/s "
-                                f"{bps:6,.0f} | {bps * batch_bytes / 1e9:5.2f} GB/s | wait "
-                                f"{1e3 * wait:6.2f} ms/batch | {node_columns(st, per_node, dt)}")
+                        wait = ((st["learner_wait_s"] - last_wait)
+                                / max(batches - line.last_batches, 1))
                         last_wait = st["learner_wait_s"]
-                        print(("\r" + line) if tty else line, end="" if tty else "\n",
-                              flush=True)
-                        last_t, last_batches, last_inserts = now, batches, inserts
-                elapsed = time.monotonic() - start
+                        line.show(batches, sum(x["committed"] for x in st["nodes"]),
+                                  f"wait {1e3 * wait:6.2f} ms/batch | "
+                                  f"{node_columns(st, per_node, dt)}")
+                elapsed = line.elapsed()
                 group.poll()
                 st = sampler.stats()
-        if tty:
-            print()
+        line.close()
         inserts = sum(x["committed"] for x in st["nodes"])
         remote = sum(x["bytes_received"] for x in st["nodes"])
-        print(f"summary: {batches:,} batches in {elapsed:.1f} s ({batches / elapsed:,.0f}/s, "
-              f"{batches * batch_bytes / elapsed / 1e9:.2f} GB/s to the learner, "
+        print(f"{line.summary(batches, elapsed)}, "
               f"{remote / elapsed / 1e9:.2f} GB/s of it through Ray); {inserts:,} transitions "
               f"inserted on {n} nodes ({inserts / elapsed:,.0f}/s); learner waited "
               f"{1e3 * st['learner_wait_s'] / max(batches, 1):.2f} ms per batch; actor "

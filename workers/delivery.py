@@ -210,10 +210,17 @@ class Delivery:
         self.held = batch
         return batch
 
-    def release_batch(self, batch: Batch) -> None:
+    def release_batch(self, batch: Batch, on_device: bool = False) -> None:
+        """A ``Batch``'s release: the held batch's staging slot goes back to be refilled (or,
+        ``on_device``, its device buffer back to ``self.stage``); any other batch was let go
+        already (``release_held``) and is ignored."""
         if batch is not self.held:
             return
         self.held = None
+        if on_device:
+            if self.stage is not None:  # else torn down: the device buffers are gone
+                self.stage.give_back(batch.slot)
+            return
         if self.pinned is not None and self.backend is not None:
             # A copy the learner issued on its current stream may still be reading the slot.
             self.fences.add(batch.slot, self.backend.record_current())
@@ -268,11 +275,8 @@ class Delivery:
         return batch
 
     def release_device_batch(self, batch: Batch) -> None:
-        if batch is not self.held:
-            return
-        self.held = None
-        if self.stage is not None:  # else torn down: the device buffers are gone
-            self.stage.give_back(batch.slot)
+        """The release of a ``hold_device`` batch: ``release_batch(batch, on_device=True)``."""
+        self.release_batch(batch, on_device=True)
 
     # -- views ------------------------------------------------------------------------------------
     def make_views(self, slots: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from typing import Any
 
@@ -20,6 +19,7 @@ from shmbuf.segment import fmt_bytes
 from shmbuf.shmdir import shm_free_bytes
 
 from .actors import ActorContext, ActorGroup
+from .demo_line import LiveLine
 from .envs import SyntheticAtari, transition_spec_kwargs
 from .plot import plots_throughput
 from .pool import SamplerPool
@@ -117,41 +117,30 @@ def run(args: argparse.Namespace) -> int:
           f"({fmt_bytes(spec.row_nbytes * capacity * args.actors)} of /dev/shm), "
           f"{args.seconds:g} s", flush=True)
     actor = functools.partial(env_actor, env_id=args.env)
-    tty = sys.stdout.isatty()
     with ReplayBuffer.create(spec, capacity=capacity, lanes=args.actors) as buf, \
             ActorGroup(actor, args.actors, buf, start_method=args.start_method,
                        seed=args.seed) as group, \
             SamplerPool(buf, batch_size=args.batch_size, n_workers=args.workers,
                         seed=args.seed, start_method=args.start_method, min_size=min_size,
                         samples_per_insert=spi, timeout=60.0) as pool:
-        start = time.monotonic()
-        last_t, last_batches, last_inserts = start, 0, 0
+        line = LiveLine(batch_bytes)
         batches = 0
-        while time.monotonic() - start < args.seconds:
+        while line.elapsed() < args.seconds:
             batch = pool.next()
             train_step(batch, args.train_ms)
             batches += 1
-            now = time.monotonic()
-            if now - last_t >= (0.5 if tty else 2.0):
+            if line.due() is not None:
                 group.poll()
-                inserts = int(buf.committed().sum())
-                dt = now - last_t
-                bps = (batches - last_batches) / dt
                 st = pool.stats()
-                line = (f"inserts/s {(inserts - last_inserts) / dt:9,.0f} | batches/s "
-                        f"{bps:7,.0f} | {bps * batch_bytes / 1e9:5.2f} GB/s | learner wait "
-                        f"{100 * st['learner_wait_frac']:4.1f}% | staging "
-                        f"{st['staging_ready']}/{pool.n_staging} ready | buffer {len(buf):,}")
-                print(("\r" + line) if tty else line, end="" if tty else "\n", flush=True)
-                last_t, last_batches, last_inserts = now, batches, inserts
+                line.show(batches, int(buf.committed().sum()),
+                          f"learner wait {100 * st['learner_wait_frac']:4.1f}% | staging "
+                          f"{st['staging_ready']}/{pool.n_staging} ready | buffer {len(buf):,}")
         group.poll()
-        elapsed = time.monotonic() - start
+        elapsed = line.elapsed()
         st = pool.stats()
         total_inserts = int(buf.committed().sum())
-    if tty:
-        print()
-    print(f"summary: {batches:,} batches in {elapsed:.1f} s ({batches / elapsed:,.0f}/s, "
-          f"{batches * batch_bytes / elapsed / 1e9:.2f} GB/s to the learner); "
+    line.close()
+    print(f"{line.summary(batches, elapsed)}); "
           f"{total_inserts:,} transitions inserted ({total_inserts / elapsed:,.0f}/s); "
           f"learner waited {100 * st['learner_wait_frac']:.1f}% of the time; "
           f"sampler restarts {st['restarts']}, actor restarts {group.restarts}")
