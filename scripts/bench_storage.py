@@ -484,9 +484,9 @@ def keepup_workload(wl: Workload, capacity: int, rounds: int, seconds: float) ->
     """One actor process adds to a full one-lane buffer of ``capacity`` rows while the learner,
     phase by phase, takes nothing ("alone"), takes batches of a 4-worker pool back to back or
     with a 5 ms train step, of a 4-worker pool whose workers run at nice ``NICE``, of a 1-worker
-    pool, or samples in its own process. Every round runs
-    every phase (order flipped every other round); a ratio is the median over rounds of the
-    phase's rate over the same round's rate alone.
+    pool, or samples in its own process. Every round runs every phase (order flipped every
+    other round); a ratio is the median over rounds of the phase's rate over the same round's
+    rate alone.
 
     On a machine with fewer than six cores the four-worker phase shares CPUs: the figure that
     shows what sampling costs the writer through memory (cache lines, bandwidth) is its rate
