@@ -555,8 +555,9 @@ def report_keepup(results: dict[str, Any]) -> str:
             f"{'per CPU':>7}  range")
     lines = [f"keep-up (issue 13): one actor process's add() rate while the buffer is sampled "
              f"(B={KEEPUP_BATCH}), over its rate alone. 'per CPU' counts only the time the "
-             f"actor ran: its ratio is the cache/memory interference figure; the plain ratio "
-             f"also counts CPU sharing", head, "-" * len(head)]
+             f"actor ran on a CPU: the cache/memory interference figure (cleanest with the "
+             f"paced learner, '4 workers, 5 ms step'); the plain ratio also counts CPU sharing",
+             head, "-" * len(head)]
     for wl_name, res in results.items():
         for name, c in res["cases"].items():
             shown = ""
@@ -697,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     if storage:
         print(report(storage, [t for t in targets if not t["workload"].startswith(KEEPUP)]))
     if keepup:
+        if storage:
+            print()
         print(report_keepup(keepup))
         print("\n".join(report({}, [t for t in targets if t["workload"].startswith(KEEPUP)])
                         .splitlines()[3:]))
