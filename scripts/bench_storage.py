@@ -7,18 +7,22 @@ per-round ratios (a 2-core machine is noisy). Each workload runs in a fresh proc
 would (see ``run_isolated``). Benchmarks report, they do not gate: the exit code is 0 unless
 ``--check`` is given and a gated target is missed. Results and their reading: BENCHMARKS.md.
 
-    python scripts/bench_storage.py [--quick] [--rounds N] [--json PATH] [--check]
+The keep-up section (``--only keepup-atari``/``keepup-mujoco``, issue 13) measures one actor
+process's ``add`` rate while the buffer is sampled, against the same actor's rate alone.
+
+    python scripts/bench_storage.py [--quick] [--only NAME] [--rounds N] [--json PATH] [--check]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +30,7 @@ import numpy as np
 import benchlib
 from benchlib import fmt_us, loop_runner
 from shmbuf import ReplayBuffer, Spec
+from workers import ActorContext, ActorGroup, SamplerPool
 
 EXTEND_ROWS = 1000  # rows per extend() call (the same batch every call)
 ROW_POOL = 1000  # distinct per-step transitions that add() cycles through
@@ -83,6 +88,7 @@ class Target:
     metric: str  # a case name (absolute rate) or "case/baseline" (ratio)
     threshold: float
     gated: bool = True  # counts for --check
+    note: str = "upper bound; not gated by --check"  # shown when not gated
 
 
 TARGETS = (
@@ -103,6 +109,22 @@ TARGETS = (
            "sample() B=256/raw np.take B=256", 0.8),
     Target("atari sample_into(256) >= 0.8 x raw gather", "atari",
            "sample_into B=256/raw np.take B=256", 0.8),
+    # Issue 13: readers must not slow writers. Four workers, the learner and the actor need
+    # six cores, so on fewer the four-worker figures also measure CPU sharing (the actor's rate,
+    # and per second on a CPU the caches it finds cold after each preemption) and are not
+    # gated; the paced learner's per CPU-second figure measures what the samplers' memory
+    # traffic costs the writer.
+    *(Target(f"{wl} actor while 4 workers sample >= 0.9 x alone", f"keepup-{wl}",
+             "4 workers/alone", 0.9, gated=(os.cpu_count() or 1) >= 6,
+             note="4 workers + learner + actor need 6 cores; not gated on fewer")
+      for wl in ("atari", "mujoco")),
+    *(Target(f"{wl} actor per CPU-second while 4 workers sample >= 0.9 x alone",
+             f"keepup-{wl}", "4 workers/alone per CPU", 0.9, gated=(os.cpu_count() or 1) >= 6,
+             note="counts preemptions on fewer than 6 cores; not gated there")
+      for wl in ("atari", "mujoco")),
+    *(Target(f"{wl} actor per CPU-second while 4 workers feed a 5 ms train step >= 0.9 x "
+             f"alone", f"keepup-{wl}", "4 workers, 5 ms step/alone per CPU", 0.9)
+      for wl in ("atari", "mujoco")),
 )
 
 
@@ -397,6 +419,159 @@ def bench_workload(wl: Workload, capacity: int, rounds: int, seconds: float) -> 
 
 
 # ------------------------------------------------------------------------------------------------
+# Keep-up: one actor's add() rate while the buffer is sampled (issue 13)
+# ------------------------------------------------------------------------------------------------
+KEEPUP = "keepup-"  # the prefix of the keep-up section's workload names
+KEEPUP_CAPACITY = {"atari": (20_000, 5_000), "mujoco": (1_000_000, 100_000)}  # full, --quick
+KEEPUP_BATCH = 256
+TRAIN_STEP = 0.005  # the paced learner's train step (a sleep), as issue 13's learner
+SETTLE = 0.2  # seconds a phase runs before it is measured (rings refill or drain)
+NICE = 19  # the CPU priority of the third pool's workers: on few cores, who gets the CPU
+MIN_PHASE_SECONDS = 0.5
+
+
+def keepup_actor(ctx: ActorContext) -> None:
+    """Adds single transitions to its lane as fast as it can, cycling through ``ROW_POOL`` rows
+    made as the ``shmbuf add`` case makes them; looks for a stop once per pass."""
+    rows = make_rows(benchlib.random_rows(ctx.buffer.spec, ROW_POOL, np.random.default_rng(0)))
+    add = ctx.writer.add
+    while not ctx.stopping:
+        for o, no, a, r, d in rows:
+            add(obs=o, next_obs=no, action=a, reward=r, done=d)
+
+
+@dataclass
+class Phase:
+    """What the learner does while the actor's rate is measured: ``run(until)`` goes on until
+    ``time.perf_counter()`` reaches ``until`` and returns the batches it took."""
+
+    name: str
+    run: Callable[[float], int]
+    rates: list[float] = field(default_factory=list)  # the actor's inserts/s, one per round
+    cpu_rates: list[float] = field(default_factory=list)  # its inserts per second on a CPU
+    shares: list[float] = field(default_factory=list)  # its seconds on a CPU per second
+    batches: list[float] = field(default_factory=list)  # the learner's batches/s, one per round
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """Seconds process ``pid`` has run on a CPU (``/proc/PID/schedstat``, in nanoseconds)."""
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+def idle(until: float) -> int:
+    """The learner takes nothing: the pools' rings are full and their workers wait."""
+    time.sleep(max(0.0, until - time.perf_counter()))
+    return 0
+
+
+def taking(next_batch: Callable[[], Any], train_step: float = 0.0) -> Callable[[float], int]:
+    """A learner that takes batches back to back, or with a ``train_step`` sleep after each."""
+
+    def run(until: float) -> int:
+        n = 0
+        while time.perf_counter() < until:
+            next_batch()
+            n += 1
+            if train_step:
+                time.sleep(train_step)
+        return n
+
+    return run
+
+
+def keepup_workload(wl: Workload, capacity: int, rounds: int, seconds: float) -> dict[str, Any]:
+    """One actor process adds to a full one-lane buffer of ``capacity`` rows while the learner,
+    phase by phase, takes nothing ("alone"), takes batches of a 4-worker pool back to back or
+    with a 5 ms train step, of a 4-worker pool whose workers run at nice ``NICE``, of a 1-worker
+    pool, or samples in its own process. Every round runs every phase (order flipped every
+    other round); a ratio is the median over rounds of the phase's rate over the same round's
+    rate alone.
+
+    On a machine with fewer than six cores the four-worker phase shares CPUs: the figure that
+    shows what sampling costs the writer through memory (cache lines, bandwidth) is its rate
+    per second on a CPU (``/proc/PID/schedstat``): descheduled time does not count there."""
+    spec = Spec(wl.spec)
+    phase_seconds = max(MIN_PHASE_SECONDS, 4 * seconds)
+    with ReplayBuffer.create(spec, capacity) as buf:
+        benchlib.fill_repeating(buf, benchlib.random_rows(spec, EXTEND_ROWS,
+                                                          np.random.default_rng(0)), capacity)
+        rng = np.random.default_rng(4)
+        with ActorGroup(keepup_actor, 1, buf, lanes=[0]) as actors, \
+                SamplerPool(buf, KEEPUP_BATCH, n_workers=4, seed=1) as pool4, \
+                SamplerPool(buf, KEEPUP_BATCH, n_workers=4, seed=2) as niced, \
+                SamplerPool(buf, KEEPUP_BATCH, n_workers=1, seed=3) as pool1:
+            for pid in niced.worker_pids:  # the scheduler then favours the actor
+                os.setpriority(os.PRIO_PROCESS, pid, NICE)
+            phases = [Phase("alone", idle), Phase("4 workers", taking(pool4.next)),
+                      Phase("4 workers, 5 ms step", taking(pool4.next, TRAIN_STEP)),
+                      Phase(f"4 workers at nice {NICE}", taking(niced.next)),
+                      Phase("1 worker", taking(pool1.next)),
+                      Phase("in-process sample", taking(lambda: buf.sample(KEEPUP_BATCH, rng)))]
+            # Warm-up: the actor's first lap of its lane (a page fault per page) and every
+            # sampler's first reads are behind us.
+            start, deadline = buf.committed(0), time.perf_counter() + 300
+            while buf.committed(0) < start + 1.2 * capacity and time.perf_counter() < deadline:
+                for ph in phases:
+                    ph.run(time.perf_counter() + 0.1)
+                actors.poll()
+            for r in range(rounds):
+                print(f"  {wl.name} keep-up: round {r + 1}/{rounds}", file=sys.stderr,
+                      flush=True)
+                for ph in phases if r % 2 == 0 else phases[::-1]:
+                    ph.run(time.perf_counter() + SETTLE)
+                    actor = actors.pids[0]
+                    assert actor is not None
+                    cpu0, c0, t0 = cpu_seconds_of(actor), buf.committed(0), time.perf_counter()
+                    n = ph.run(t0 + phase_seconds)
+                    took, inserts = time.perf_counter() - t0, buf.committed(0) - c0
+                    cpu = cpu_seconds_of(actor) - cpu0
+                    ph.rates.append(inserts / took)
+                    ph.cpu_rates.append(inserts / cpu)
+                    ph.shares.append(cpu / took)
+                    ph.batches.append(n / took)
+                actors.poll()
+    alone = phases[0]
+    med = statistics.median
+    cases = {ph.name: {"unit": "rows/s", "median": med(ph.rates), "per_cpu": med(ph.cpu_rates),
+                       "cpu_share": med(ph.shares), "learner_batches_per_s": med(ph.batches),
+                       "rounds": ph.rates, "rounds_per_cpu": ph.cpu_rates} for ph in phases}
+    ratios = {}
+    for ph in phases[1:]:
+        for key, mine, base in ((f"{ph.name}/alone", ph.rates, alone.rates),
+                                (f"{ph.name}/alone per CPU", ph.cpu_rates, alone.cpu_rates)):
+            per_round = [a / b for a, b in zip(mine, base)]
+            ratios[key] = {"case": ph.name, "baseline": alone.name, "median": med(per_round),
+                           "min": min(per_round), "max": max(per_round), "rounds": per_round}
+    return {"keepup": True, "capacity": capacity, "phase_seconds": phase_seconds,
+            "cases": cases, "ratios": ratios}
+
+
+def report_keepup(results: dict[str, Any]) -> str:
+    """The keep-up table: per phase the actor's rate (per second, and per second it was on a
+    CPU), its CPU share, the learner's batches/s, and both rates' ratios to the rate alone."""
+    head = (f"{'workload':8} {'learner while the actor adds':28} {'actor rate':>13} "
+            f"{'CPU':>4} {'per CPU-s':>13} {'learner':>10}   {'ratio':>5}  range      "
+            f"{'per CPU':>7}  range")
+    lines = [f"keep-up (issue 13): one actor process's add() rate while the buffer is sampled "
+             f"(B={KEEPUP_BATCH}), over its rate alone. 'per CPU' counts only the time the "
+             f"actor ran on a CPU: the cache/memory interference figure (cleanest with the "
+             f"paced learner, '4 workers, 5 ms step'); the plain ratio also counts CPU sharing",
+             head, "-" * len(head)]
+    for wl_name, res in results.items():
+        for name, c in res["cases"].items():
+            shown = ""
+            for key in (f"{name}/alone", f"{name}/alone per CPU"):
+                r = res["ratios"].get(key)
+                shown += f"   {r['median']:5.2f}  {r['min']:.2f}-{r['max']:.2f}" if r else ""
+            lines.append(f"{wl_name.removeprefix(KEEPUP):8} {name:28} "
+                         f"{fmt_rate(c['median'], 'rows/s'):>13} {c['cpu_share']:4.2f} "
+                         f"{fmt_rate(c['per_cpu'], 'rows/s'):>13} "
+                         f"{c['learner_batches_per_s']:6,.0f} b/s{shown}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
 # Machine, space check, report
 # ------------------------------------------------------------------------------------------------
 def check_space(workloads: list[tuple[Workload, int]]) -> bool:
@@ -433,7 +608,7 @@ def report(results: dict[str, Any], targets: list[dict[str, Any]]) -> str:
     for t in targets:
         mark = "PASS" if t["pass"] else "MISS"
         shown = f"{t['value']:,.0f} rows/s" if t["kind"] == "rate" else f"{t['value']:.2f}"
-        note = "" if t["gated"] else "  (upper bound; not gated by --check)"
+        note = "" if t["gated"] else f"  ({t['note']})"
         lines.append(f"{mark}  {t['label']}: {shown}{note}")
     return "\n".join(lines)
 
@@ -450,12 +625,13 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             kind, value = "rate", res["cases"][t.metric]["median"]
         out.append({"label": t.label, "workload": t.workload, "metric": t.metric, "kind": kind,
                     "value": value, "threshold": t.threshold, "pass": value >= t.threshold,
-                    "gated": t.gated})
+                    "gated": t.gated, "note": t.note})
     return out
 
 
-def run_isolated(wl: Workload, capacity: int, rounds: int, seconds: float) -> dict[str, Any]:
-    """Run one workload in a fresh interpreter and return its results.
+def run_isolated(name: str, capacity: int, rounds: int, seconds: float) -> dict[str, Any]:
+    """Run one workload (``name``: a workload, or ``keepup-`` and one) in a fresh interpreter and
+    return its results.
 
     Isolation matters: what an earlier workload freed changes glibc's dynamic mmap threshold,
     which decides whether ``sample()``'s new multi-MB arrays come from a warm heap or from fresh,
@@ -463,16 +639,25 @@ def run_isolated(wl: Workload, capacity: int, rounds: int, seconds: float) -> di
     is. Ctrl-C: see ``benchlib.run_child``.
     """
     return benchlib.run_child(__file__, ["--rounds", str(rounds), "--seconds", str(seconds),
-                                         "--_workload", wl.name, "--_capacity", str(capacity)],
-                              wl.name)
+                                         "--_workload", name, "--_capacity", str(capacity)],
+                              name)
+
+
+def run_in_process(name: str, capacity: int, rounds: int, seconds: float) -> dict[str, Any]:
+    """Run one workload (``name`` as ``run_isolated``'s) in this process."""
+    wl = next(w for w in WORKLOADS if w.name == name.removeprefix(KEEPUP))
+    bench = keepup_workload if name.startswith(KEEPUP) else bench_workload
+    return bench(wl, capacity, rounds, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     run_options = benchlib.add_run_options(
         p, "small capacities and short rounds: a smoke test (well under 60 s)", 0.25, 0.03)
-    p.add_argument("--only", choices=[w.name for w in WORKLOADS], action="append",
-                   help="run only this workload (repeatable)")
+    names = [w.name for w in WORKLOADS] + [KEEPUP + w.name for w in WORKLOADS]
+    p.add_argument("--only", choices=names, action="append",
+                   help="run only this workload (repeatable); keepup-NAME: the keep-up section "
+                        "for workload NAME")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads in this process, not one fresh process each "
                         "(for profilers; sample() results then depend on the heap history)")
@@ -481,33 +666,43 @@ def main(argv: list[str] | None = None) -> int:
     rounds, seconds = run_options(args)
 
     if args._workload:  # the child side of run_isolated
-        wl = next(w for w in WORKLOADS if w.name == args._workload)
         return benchlib.child_result(
-            args._out, lambda: bench_workload(wl, args._capacity, rounds, seconds))
+            args._out, lambda: run_in_process(args._workload, args._capacity, rounds, seconds))
 
-    plan = [(wl, wl.quick_capacity if args.quick else wl.capacity) for wl in WORKLOADS
-            if not args.only or wl.name in args.only]
-    if not check_space(plan):
+    plan = [(wl.name, wl, wl.quick_capacity if args.quick else wl.capacity) for wl in WORKLOADS]
+    plan += [(KEEPUP + wl.name, wl, KEEPUP_CAPACITY[wl.name][1 if args.quick else 0])
+             for wl in WORKLOADS]
+    plan = [entry for entry in plan if not args.only or entry[0] in args.only]
+    if not check_space([(wl, cap) for _, wl, cap in plan]):
         return 2
 
     info = benchlib.machine()
     clock = benchlib.RunClock()
     results: dict[str, Any] = {}
-    run = bench_workload if args.in_process else run_isolated
+    run = run_in_process if args.in_process else run_isolated
     try:
-        for wl, cap in plan:
-            results[wl.name] = run(wl, cap, rounds, seconds)
+        for name, _, cap in plan:
+            results[name] = run(name, cap, rounds, seconds)
     except KeyboardInterrupt:
         print("bench_storage: interrupted; buffers closed", file=sys.stderr)
         return 130
     runtime, others = clock.stop()
     targets = evaluate(results)
 
-    caps = ", ".join(f"{wl.name} capacity {cap:,}" for wl, cap in plan)
+    caps = ", ".join(f"{name} capacity {cap:,}" for name, _, cap in plan)
     print(f"shmbuf storage benchmark{' (--quick)' if args.quick else ''}: {caps}; "
           f"{EXTEND_ROWS}-row extend; {rounds} rounds x {seconds}s per case; medians")
     print(benchlib.machine_line(info))
-    print(report(results, targets))
+    storage = {k: v for k, v in results.items() if not k.startswith(KEEPUP)}
+    keepup = {k: v for k, v in results.items() if k.startswith(KEEPUP)}
+    if storage:
+        print(report(storage, [t for t in targets if not t["workload"].startswith(KEEPUP)]))
+    if keepup:
+        if storage:
+            print()
+        print(report_keepup(keepup))
+        print("\n".join(report({}, [t for t in targets if t["workload"].startswith(KEEPUP)])
+                        .splitlines()[3:]))
     print(benchlib.runtime_line(runtime, others))
     return benchlib.finish(args, {
         "argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
