@@ -150,6 +150,14 @@ class WindowPriorityTable(PriorityTable):
             self.retire(lane[unusable], index[unusable])
         return applied - int(unusable.sum())
 
+    def _update_rows(self, indices: Any) -> np.ndarray | None:
+        if isinstance(indices, np.ndarray) and indices.ndim == 2:  # [B, T]: the starts
+            return indices[:, 0] if indices.shape[1] == self.reader.sequence_length else None
+        return super()._update_rows(indices)
+
+    def _entered_below(self) -> np.ndarray:
+        return self.judged  # starts below it have their values (their windows are written)
+
     def _check_steps(self, lanes: Any, starts: np.ndarray, values: np.ndarray) -> None:
         """Per-step priorities must be finite and >= 0 (a negative one could hide in a max)."""
         bad = ~np.isfinite(values) | (values < 0)
