@@ -22,6 +22,7 @@ from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
 from shmbuf.segment import Lease
+from shmbuf.window_priority import WindowPriorityTable
 
 from .batch import Batch
 from .config import PoolConfig
@@ -220,7 +221,8 @@ class SamplerPool(EpochIteration):
         return batch
 
     # -- priorities -------------------------------------------------------------------------------
-    def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None) -> int:
+    def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None,
+                          mask: Any = None) -> int:
         """Set new priorities (e.g. |TD error|) for rows of delivered batches.
 
         ``indices`` are ``batch.indices``: each carries the logical position (generation) it
@@ -228,6 +230,11 @@ class SamplerPool(EpochIteration):
         the new data. ``lanes`` is ``batch.lanes`` (found automatically when ``indices`` is
         the ``batch.indices`` array of one of the last 8 batches, or the buffer has one lane).
         Returns how many priorities were applied.
+
+        Sequences (``sequence_length=T``) take ``[B, T]`` priorities, reduced per window by
+        ``eta * max + (1 - eta) * mean`` over its steps, or over those ``mask`` keeps: pass
+        ``mask=batch["mask"]`` with ``cross_episodes=True`` so that steps past an episode end
+        count for nothing.
 
         Raises:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing applied).
@@ -242,6 +249,13 @@ class SamplerPool(EpochIteration):
             lanes = self._delivery.recent.lanes_of(indices)
         indices, priorities = _host_array(indices), _host_array(priorities)
         lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
+        if mask is not None:  # reduced here: the selection takes one priority per window
+            table = self._selection.table
+            if not isinstance(table, WindowPriorityTable):
+                raise ValueError("mask= selects the steps of sequences' [B, T] priorities: "
+                                 "this pool's batches are not sequences (sequence_length=T)")
+            priorities = table.window_priorities(lanes, indices, _host_array(priorities),
+                                                 _host_array(mask))
         return self._selection.update(lanes, indices, priorities)
 
     # -- stats ------------------------------------------------------------------------------------------------
