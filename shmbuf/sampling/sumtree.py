@@ -8,8 +8,9 @@ their children (never adjusted by deltas), so sums cannot drift.
 
 NumPy's cost is per call, so each step is a handful of calls for the whole batch: ``sample``
 finds each draw's node at a small level (<= ``TOP_NODES`` over all lanes) with one cumulative
-sum and one ``searchsorted``, then descends the 2-3 levels below by blocks, with one matrix
-product giving the prefix sums of every draw's block at once (``np.cumsum`` is a scalar loop);
+sum and one ``searchsorted`` (over the draws sorted: a search over random keys mispredicts
+most of its branches), then descends the 2-3 levels below by blocks, with one matrix product
+giving the prefix sums of every draw's block at once (``np.cumsum`` is a scalar loop);
 ``update`` recomputes the touched parents level by level as ``[FANOUT, n]`` gathers, and the
 small top levels whole from cached index plans.
 """
