@@ -4,8 +4,9 @@
 In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, in-process
 (``SamplerPool(sampler="prioritized", n_workers=0)``):
   - quiet: shmbuf against cpprb's ``PrioritizedReplayBuffer`` (sample + update_priorities) on
-    100k rows, side by side in rounds (``benchlib.run_rounds``);
-  - scale: time per batch at 100k, 1M and 10M rows;
+    100k rows, side by side in rounds (``benchlib.run_rounds``), by wall time and by this
+    process's CPU time per batch (what holds up on a machine shared with other jobs);
+  - scale: time per batch at 100k, 1M and 10M rows (wall and CPU);
   - with sampler workers: the same quiet sample + update with 0, 1 and 2 workers;
   - under load: 2 writer processes (one lane each) adding 64-row chunks at 25k, 100k, 400k
     rows/s each and flat out, while the learner samples + updates: the learner's batches/s
@@ -95,23 +96,45 @@ def cpprb_step(rows: int, errors: list[np.ndarray]) -> tuple[Callable[[], None] 
     return step, cpprb.__version__ if hasattr(cpprb, "__version__") else "cpprb"
 
 
+def cpu_logged(op: Callable[[], Any], log: list[float]) -> Callable[[int], float]:
+    """``benchlib.loop_runner`` that also appends the CPU time of this process per call of
+    ``op`` to ``log`` (one entry per run: the last ``rounds`` are the measured ones). On a
+    machine shared with other jobs, CPU time is the work done, apart from waiting for a core."""
+
+    def run(n: int) -> float:
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            op()
+        took = time.perf_counter() - t0
+        log.append((time.process_time() - c0) / n)
+        return took
+
+    return run
+
+
 def quiet(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
     errors = tds(np.random.default_rng(1))
+    cpu: dict[str, list[float]] = {"shmbuf": [], "cpprb_rate": []}
     with filled(rows) as buf, prioritized(buf) as pool:
         pool.next()  # the first batch enters every row
-        cases = [TimedCase("shmbuf", benchlib.loop_runner(learner_step(pool, errors)))]
+        cases = [TimedCase("shmbuf", cpu_logged(learner_step(pool, errors), cpu["shmbuf"]))]
         step, what = cpprb_step(rows, errors)
         if step is not None:
-            cases.append(TimedCase("cpprb_rate", benchlib.loop_runner(step)))
+            cases.append(TimedCase("cpprb_rate", cpu_logged(step, cpu["cpprb_rate"])))
         benchlib.run_rounds([cases], rounds, seconds, f"quiet {rows} rows")
     out: dict[str, Any] = {c.name: statistics.median(c.rates) for c in cases}
+    out["shmbuf_cpu_us"] = 1e6 * statistics.median(cpu["shmbuf"][-rounds:])
     if step is not None:
         out["shmbuf/cpprb"] = benchlib.ratio(cases[0], cases[1])["median"]
+        out["cpprb_cpu_us"] = 1e6 * statistics.median(cpu["cpprb_rate"][-rounds:])
+        out["shmbuf/cpprb_cpu"] = statistics.median(
+            b / a for a, b in zip(cpu["shmbuf"][-rounds:], cpu["cpprb_rate"][-rounds:]))
     out["cpprb"] = what
     return out
 
 
 def scale(sizes: list[int], seconds: float) -> dict[str, float]:
+    """Seconds per batch at each size (wall; ``<rows>_cpu``: CPU time of this process)."""
     errors = tds(np.random.default_rng(1))
     out = {}
     for rows in sizes:
@@ -119,9 +142,11 @@ def scale(sizes: list[int], seconds: float) -> dict[str, float]:
             t0 = time.perf_counter()
             pool.next()
             first = time.perf_counter() - t0
-            case = TimedCase(str(rows), benchlib.loop_runner(learner_step(pool, errors)))
+            cpu: list[float] = []
+            case = TimedCase(str(rows), cpu_logged(learner_step(pool, errors), cpu))
             benchlib.run_rounds([[case]], 3, seconds, f"scale {rows} rows")
             out[str(rows)] = statistics.median(case.secs)
+            out[f"{rows}_cpu"] = statistics.median(cpu[-3:])
             print(f"  {rows} rows: first batch (enters every row) {first * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
     return out
@@ -308,12 +333,17 @@ def report(res: dict[str, Any]) -> None:
     q = res["quiet"]
     print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32: shmbuf "
           f"{q['shmbuf']:.0f} batches/s" + (f", cpprb {q['cpprb_rate']:.0f}, ratio "
-                                            f"{q['shmbuf/cpprb']:.2f}x" if "cpprb_rate" in q
-                                            else f" ({q['cpprb']})"))
-    base = None
-    for rows, s in res["scale"].items():
-        base = base or s
-        print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x)")
+                                            f"{q['shmbuf/cpprb']:.2f}x; CPU per batch "
+                                            f"{q['shmbuf_cpu_us']:.0f} / "
+                                            f"{q['cpprb_cpu_us']:.0f} us, ratio "
+                                            f"{q['shmbuf/cpprb_cpu']:.2f}x"
+                                            if "cpprb_rate" in q else f" ({q['cpprb']})"))
+    base = base_cpu = None
+    for rows, s in [(k, v) for k, v in res["scale"].items() if not k.endswith("_cpu")]:
+        cpu = res["scale"][f"{rows}_cpu"]
+        base, base_cpu = base or s, base_cpu or cpu
+        print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x), "
+              f"CPU {cpu * 1e3:.3f} ms ({cpu / base_cpu:.2f}x)")
     if res.get("workers"):
         w = res["workers"]
         print("sample + update with sampler workers (quiet): " + ", ".join(

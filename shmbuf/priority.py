@@ -169,6 +169,38 @@ class PriorityTable:
         self.synced[new] = committed[new]
         return entered
 
+    def sync_before_update(self, buf: ReplayBuffer, lanes: Any, indices: Any) -> None:
+        """``sync`` before an ``update`` of rows ``(lanes, indices)`` (so that one overwritten
+        since it was drawn is recognised and dropped), unless every one of them is entered and
+        still held: ``sync`` then changes none of their slots (new rows only take slots of rows
+        no longer held), and the update is the same without it. Under fast writers this skips
+        entering their rows twice per batch. Odd input just syncs (``update`` judges it)."""
+        index = self._update_rows(indices)
+        if index is None or not index.size or index.dtype.kind not in "iu":
+            self.sync(buf)
+            return
+        windows = buf.windows()
+        low = np.maximum(windows.lo, 0)
+        high = np.minimum(windows.hi, self._entered_below())
+        if isinstance(lanes, (int, np.integer)) and 0 <= int(lanes) < self.lanes:
+            lane = int(lanes)
+            if int(index.min()) >= low[lane] and int(index.max()) < high[lane]:
+                return
+        elif (isinstance(lanes, np.ndarray) and lanes.shape == index.shape
+              and lanes.dtype.kind in "iu" and lanes.size and 0 <= int(lanes.min())
+              and int(lanes.max()) < self.lanes):
+            if ((index >= low[lanes]) & (index < high[lanes])).all():
+                return
+        self.sync(buf)
+
+    def _update_rows(self, indices: Any) -> np.ndarray | None:
+        """The rows an ``update`` of ``indices`` sets (None: not an array it takes)."""
+        return indices if isinstance(indices, np.ndarray) and indices.ndim == 1 else None
+
+    def _entered_below(self) -> np.ndarray:
+        """Per lane: rows below it have their values in the table (learner side)."""
+        return self.synced
+
     def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
         """Set new priorities for rows sampled at ``(lanes, indices)``; rows overwritten since
         are skipped. Returns how many were applied.
@@ -197,7 +229,7 @@ class PriorityTable:
                 f"are the logical positions in batch.indices (>= 0); nothing was updated"
             )
         leaves = indices % self.capacity
-        current = self.gen[lanes * self.capacity + leaves] == indices
+        current = self.gen[leaves if self.lanes == 1 else lanes * self.capacity + leaves] == indices
         applied = int(np.count_nonzero(current))
         if applied < current.size:  # rows overwritten since they were sampled: dropped
             self.updates_dropped += current.size - applied
@@ -246,11 +278,10 @@ class PriorityTable:
 
     def _draw(self, windows: Windows, batch: int, rng: np.random.Generator,
               occupants: bool) -> Draw:
-        lanes, indices, probs, total = self._draw_once(windows, batch, rng, occupants)
-        ok = probs > 0
-        if ok.all():  # the usual case: every leaf drawn holds a row the buffer holds
+        lanes, indices, probs, total, held = self._draw_once(windows, batch, rng, occupants)
+        if held:  # the usual case: every leaf drawn holds a row the buffer holds
             return Draw(lanes, indices, probs, self._pmin(total, probs))
-        todo = np.flatnonzero(~ok)
+        todo = np.flatnonzero(probs <= 0)
         for _ in range(DRAW_ROUNDS - 1):
             again = self._draw_once(windows, todo.size, rng, occupants)
             ok = again[2] > 0
@@ -265,10 +296,10 @@ class PriorityTable:
         )
 
     def _draw_once(self, windows: Windows, batch: int, rng: np.random.Generator,
-                   occupants: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-        """(lanes, indices, probabilities, total) of ``batch`` leaves drawn once; the
-        probability is 0 where the leaf is zero or its row is not held (with ``occupants``:
-        where its slot's current occupant is not held either)."""
+                   occupants: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, bool]:
+        """(lanes, indices, probabilities, total, whether every probability is positive) of
+        ``batch`` leaves drawn once; the probability is 0 where the leaf is zero or its row is
+        not held (with ``occupants``: where its slot's current occupant is not held either)."""
         try:
             lanes, leaves, total = sumtree.sample(self.sums, batch, rng)
         except ValueError:
@@ -276,8 +307,16 @@ class PriorityTable:
                 "no row has a positive priority: nothing written yet (or every row retired)"
             ) from None
         np.minimum(leaves, self.capacity - 1, out=leaves)
-        value = self.sums.reshape(-1)[lanes * self.sums.shape[1] + leaves]
-        generation = self.gen[lanes * self.capacity + leaves]
+        if self.lanes == 1:  # one lane: leaves are the slots, and the window two numbers
+            value = self.sums[0].take(leaves)
+            generation = self.gen.take(leaves)
+            lo, hi = int(windows.lo[0]), int(windows.hi[0])
+            if batch and int(generation.min()) >= lo and int(generation.max()) < hi:
+                value /= total
+                return lanes, generation, value, total, bool(value.min() > 0)
+        else:
+            value = self.sums.reshape(-1)[lanes * self.sums.shape[1] + leaves]
+            generation = self.gen[lanes * self.capacity + leaves]
         lo, hi = windows.lo[lanes], windows.hi[lanes]
         held = (generation >= lo) & (generation < hi)
         if occupants and not held.all():
@@ -287,11 +326,12 @@ class PriorityTable:
             held[moved] = generation[moved] >= lo[moved]
         value[~held] = 0.0
         value /= total
-        return lanes, generation, value, total
+        return lanes, generation, value, total, bool(value.min() > 0) if batch else True
 
     def _pmin(self, total: float, probs: np.ndarray) -> float:
         """The smallest probability of any row (of those drawn, if the tree's is larger)."""
-        return min(float(sumtree.roots(self.mins).min()) / total, float(probs.min()))
+        smallest = float(self.mins[0, -1]) if self.lanes == 1 else self.smallest()
+        return min(smallest / total, float(probs.min()))
 
     def close(self) -> None:
         # Drop the views of the mapping so that it can be closed (idempotent).

@@ -30,10 +30,15 @@ def checked_eta(eta: Any) -> float:
     return value
 
 
-def reduce_windows(priorities: np.ndarray, eta: float) -> np.ndarray:
+def reduce_windows(priorities: np.ndarray, eta: float, mask: np.ndarray | None = None
+                   ) -> np.ndarray:
     """R2D2's priority of each window from its steps' ``[B, T]`` priorities (e.g. |TD errors|):
-    ``eta * max_t + (1 - eta) * mean_t``."""
-    return eta * priorities.max(axis=1) + (1.0 - eta) * priorities.mean(axis=1)
+    ``eta * max_t + (1 - eta) * mean_t``, over the steps where ``mask`` is true if given (every
+    window keeps one; priorities are >= 0, so masked steps count as 0 in the max)."""
+    if mask is None:
+        return eta * priorities.max(axis=1) + (1.0 - eta) * priorities.mean(axis=1)
+    kept = np.where(mask, priorities, 0.0)
+    return eta * kept.max(axis=1) + (1.0 - eta) * kept.sum(axis=1) / mask.sum(axis=1)
 
 
 class WindowPriorityTable(PriorityTable):
@@ -115,32 +120,22 @@ class WindowPriorityTable(PriorityTable):
             sumtree.fill(self.sums, self.mins, lane, slot, values[at:at + n])
             at += n
 
-    def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
+    def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any,
+               mask: Any = None) -> int:
         """New priorities for the windows of ``indices`` (``batch.indices``: ``[B, T]`` for
         sequences, or their starts ``[B]``): ``[B]`` as they are, or ``[B, T]`` per step,
-        reduced by ``reduce_windows``. Windows whose start was overwritten since are skipped.
+        reduced by ``reduce_windows`` (over the steps where ``mask``, ``[B, T]`` bool, is true:
+        ``batch["mask"]`` with ``cross_episodes=True``). Windows whose start was overwritten
+        since are skipped.
 
         Raises:
-            InvalidPriorityError: a step's priority is NaN, infinite or negative (nothing is
-                applied).
-            ValueError: shapes that do not match ``indices``.
+            InvalidPriorityError: a step's priority (one the mask keeps) is NaN, infinite or
+                negative (nothing is applied).
+            ValueError: shapes that do not match ``indices``, or a mask that keeps no step of a
+                window.
         """
-        index = np.asarray(indices, np.int64)
-        values = np.asarray(priorities, np.float64)
-        length = self.reader.sequence_length
-        if index.ndim == 2:
-            if index.shape[1] != length:
-                raise ValueError(f"indices of shape {index.shape} for windows of {length} steps: "
-                                 f"pass batch.indices ([B, {length}]) or its column 0")
-            index = index[:, 0]
-        if values.ndim == 2 and length > 1:
-            if values.shape != (index.size, length):
-                raise ValueError(
-                    f"priorities of shape {values.shape} for {index.size} windows of {length} "
-                    f"steps: pass one per window ([{index.size}]) or per step "
-                    f"([{index.size}, {length}])")
-            self._check_steps(lanes, index, values)
-            values = reduce_windows(values, self.eta)
+        index, values = self._starts(indices), self.window_priorities(lanes, indices,
+                                                                        priorities, mask)
         applied = super().update(lanes, index, values)
         # A start no batch can be read at (e.g. its window crosses an episode end) stays at 0.
         lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape)
@@ -149,6 +144,63 @@ class WindowPriorityTable(PriorityTable):
         if unusable.any():
             self.retire(lane[unusable], index[unusable])
         return applied - int(unusable.sum())
+
+    def _starts(self, indices: Any) -> np.ndarray:
+        """The window starts of ``indices`` (``[B, T]``: column 0, or ``[B]``)."""
+        index = np.asarray(indices, np.int64)
+        length = self.reader.sequence_length
+        if index.ndim == 2:
+            if index.shape[1] != length:
+                raise ValueError(f"indices of shape {index.shape} for windows of {length} steps: "
+                                 f"pass batch.indices ([B, {length}]) or its column 0")
+            index = index[:, 0]
+        return index
+
+    def window_priorities(self, lanes: Any, indices: Any, priorities: Any,
+                          mask: Any = None) -> np.ndarray:
+        """The priority of each window of ``indices`` from ``priorities`` (``[B]`` as they
+        are; ``[B, T]`` checked per step and reduced by ``reduce_windows``, over the steps
+        ``mask`` keeps if given). Raises as ``update`` does; changes nothing."""
+        index = self._starts(indices)
+        values = np.asarray(priorities, np.float64)
+        length = self.reader.sequence_length
+        if values.ndim == 2 and length > 1:
+            if values.shape != (index.size, length):
+                raise ValueError(
+                    f"priorities of shape {values.shape} for {index.size} windows of {length} "
+                    f"steps: pass one per window ([{index.size}]) or per step "
+                    f"([{index.size}, {length}])")
+            steps = None if mask is None else self._checked_mask(mask, values.shape)
+            self._check_steps(lanes, index, values if steps is None
+                              else np.where(steps, values, 0.0))
+            return reduce_windows(values, self.eta, steps)
+        if mask is not None:
+            raise ValueError(f"mask= selects steps of [B, T] priorities; these are of shape "
+                             f"{values.shape}: pass per-step priorities with it, or no mask")
+        return values
+
+    @staticmethod
+    def _checked_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """``mask`` as a bool array of ``shape`` keeping a step of every window, else
+        ``ValueError`` naming what is wrong."""
+        steps = np.asarray(mask)
+        if steps.dtype != np.bool_ or steps.shape != shape:
+            raise ValueError(f"mask must be a bool array of shape {shape} like the priorities "
+                             f"(batch['mask']), got {steps.dtype} {steps.shape}")
+        empty = ~steps.any(axis=1)
+        if empty.any():
+            window = int(np.flatnonzero(empty)[0])
+            raise ValueError(f"mask keeps no step of window {window} ({int(empty.sum())} such): "
+                             f"a window's first step is always in its episode (batch['mask'])")
+        return steps
+
+    def _update_rows(self, indices: Any) -> np.ndarray | None:
+        if isinstance(indices, np.ndarray) and indices.ndim == 2:  # [B, T]: the starts
+            return indices[:, 0] if indices.shape[1] == self.reader.sequence_length else None
+        return super()._update_rows(indices)
+
+    def _entered_below(self) -> np.ndarray:
+        return self.judged  # starts below it have their values (their windows are written)
 
     def _check_steps(self, lanes: Any, starts: np.ndarray, values: np.ndarray) -> None:
         """Per-step priorities must be finite and >= 0 (a negative one could hide in a max)."""

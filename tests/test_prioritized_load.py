@@ -129,3 +129,33 @@ def test_draw_held_redraws_in_a_buffer_that_stores_final_rows():
                 table.draw_held(buf.windows(), 8, np.random.default_rng(0))
         finally:
             table.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_an_update_syncs_only_when_a_row_it_sets_is_not_entered_or_no_longer_held(lanes):
+    """``update_priorities`` enters new rows first only when it must: rows entered and still
+    held are updated without entering the writers' new rows (nothing of theirs changes); a
+    row overwritten since it was drawn makes it sync, and its update is dropped."""
+    with procs.new_buffer(capacity=100, lanes=lanes, rows=60) as buf, \
+         SamplerPool(buf, n_workers=0, batch_size=8, sampler="prioritized", seed=0,
+                     timeout=10) as pool:
+        table = pool._table
+        assert table is not None
+        batch = pool.next()
+        indices, batch_lanes = np.array(batch.indices), np.array(batch.lanes)
+        procs.fill(buf, 10)  # new rows, none overwriting the batch's
+        synced = table.synced.copy()
+        assert pool.update_priorities(indices, np.full(8, 2.0), lanes=batch_lanes) == 8
+        np.testing.assert_array_equal(table.synced, synced)  # no sync was needed
+        np.testing.assert_array_equal(table.leaf_values(batch_lanes, indices),
+                                      table._value(np.full(8, 2.0)))
+        procs.fill(buf, 100)  # laps every lane: the batch's rows are gone
+        assert pool.update_priorities(indices, np.full(8, 3.0), lanes=batch_lanes) == 0
+        np.testing.assert_array_equal(table.synced, buf.committed())
+        # A row committed but not entered yet is entered by the update's sync, then set.
+        procs.fill(buf, 1)
+        newest = np.asarray(buf.committed()) - 1
+        assert pool.update_priorities(newest, np.full(lanes, 4.0),
+                                      lanes=np.arange(lanes)) == lanes
+        np.testing.assert_array_equal(table.leaf_values(np.arange(lanes), newest),
+                                      table._value(np.full(lanes, 4.0)))

@@ -6,7 +6,8 @@ What is proved here:
 - ``batch.weights`` are ``(P_i / P_min)^-beta`` of the window starts' priorities;
 - ``update_priorities`` with ``[B, T]`` priorities stores ``eta * max + (1 - eta) * mean`` per
   window (against a NumPy reference, for the default eta and another), ``[B]`` priorities are
-  kept as they are, bad steps or shapes change nothing;
+  kept as they are, bad steps or shapes change nothing; with ``mask=batch["mask"]`` the
+  reduction runs over the steps of the window's first episode only;
 - an update for a window whose start was overwritten since is dropped;
 - with workers under every start method, and writers lapping the ring meanwhile: no raise,
   every row of every window whole (self-checking rows), consecutive, and inside one episode
@@ -190,6 +191,49 @@ def test_updates_of_shape_b_t_store_the_r2d2_reduction(eta):
             keys = np.array(list(last))
             np.testing.assert_allclose(table.leaf_values(keys[:, 0], keys[:, 1]),
                                        (np.array(list(last.values())) + 1e-3) ** 0.7)
+
+
+def test_a_mask_keeps_the_steps_past_an_episode_end_out_of_the_reduction():
+    """``update_priorities(..., mask=batch["mask"])`` with ``cross_episodes=True``: each window's
+    max and mean run over the steps of its first episode only, whatever the others hold (NaN
+    included); bad masks and masks without per-step priorities change nothing."""
+    with procs.new_buffer(capacity=256, lanes=2, rows=0) as buf:
+        write_episodes(buf, 13 * 8)
+        with _pool(buf, sequence_length=5, cross_episodes=True, alpha=0.7, eps=1e-3) as pool:
+            table = pool._table
+            assert isinstance(table, WindowPriorityTable)
+            batch = pool.next()
+            mask = np.asarray(batch["mask"]).copy()
+            assert not mask.all() and mask[:, 0].all()  # some windows cross an episode end
+            td = np.random.default_rng(2).exponential(2.0, (32, 5))
+            td[~mask] = np.nan  # past the end: not the window's, never read
+            before = table.sums.copy()
+            with pytest.raises(ValueError, match="bool array of shape"):
+                pool.update_priorities(batch.indices, td, mask=mask.astype(np.int8))
+            empty = mask.copy()
+            empty[3] = False
+            with pytest.raises(ValueError, match="no step of window 3"):
+                pool.update_priorities(batch.indices, td, mask=empty)
+            with pytest.raises(ValueError, match="per-step priorities"):
+                pool.update_priorities(batch.indices, np.ones(32), mask=mask)
+            with pytest.raises(shmbuf.InvalidPriorityError):  # no mask: NaN steps are read
+                pool.update_priorities(batch.indices, td)
+            np.testing.assert_array_equal(table.sums, before)
+            assert pool.update_priorities(batch.indices, td, mask=mask) == 32
+            expected = {}  # NumPy reference over the kept steps, the last of repeats wins
+            for lane, start, steps, keep in zip(batch.lanes, np.asarray(batch.indices)[:, 0],
+                                                td, mask):
+                kept = steps[keep]
+                expected[(int(lane), int(start))] = (
+                    (0.9 * kept.max() + 0.1 * kept.mean() + 1e-3) ** 0.7)
+            keys = np.array(list(expected))
+            np.testing.assert_allclose(table.leaf_values(keys[:, 0], keys[:, 1]),
+                                       list(expected.values()), rtol=1e-12)
+    with procs.new_buffer(capacity=64, lanes=1) as buf, \
+         SamplerPool(buf, batch_size=8, n_workers=0, sampler="prioritized", seed=0) as pool:
+        batch = pool.next()
+        with pytest.raises(ValueError, match="not sequences"):
+            pool.update_priorities(batch.indices, np.ones(8), mask=np.ones(8, bool))
 
 
 def test_reduce_windows_matches_its_definition():

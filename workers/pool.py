@@ -22,6 +22,7 @@ from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling.plan import Plan
 from shmbuf.segment import Lease
+from shmbuf.window_priority import WindowPriorityTable
 
 from .batch import Batch
 from .config import PoolConfig
@@ -220,28 +221,28 @@ class SamplerPool(EpochIteration):
         return batch
 
     # -- priorities -------------------------------------------------------------------------------
-    def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None) -> int:
-        """Set new priorities (e.g. |TD error|) for rows of delivered batches.
-
-        ``indices`` are ``batch.indices``: each carries the logical position (generation) it
-        was sampled at, so an update for a row overwritten since is dropped, never applied to
-        the new data. ``lanes`` is ``batch.lanes`` (found automatically when ``indices`` is
-        the ``batch.indices`` array of one of the last 8 batches, or the buffer has one lane).
-        Returns how many priorities were applied.
+    def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None,
+                          mask: Any = None) -> int:
+        """Set new priorities (e.g. |TD error|) for rows of delivered batches; returns how many
+        were applied. ``indices`` are ``batch.indices``: each carries the logical position
+        (generation) it was sampled at, so an update for a row overwritten since is dropped,
+        never applied to the new data. ``lanes`` is ``batch.lanes`` (found automatically when
+        ``indices`` is the ``batch.indices`` array of one of the last 8 batches, or the buffer
+        has one lane). Sequences take ``[B, T]`` priorities, reduced per window over its steps
+        (those ``mask`` keeps: ``mask=batch["mask"]`` with ``cross_episodes=True``).
 
         Raises:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing applied).
         """
         self._check_open()
         if not self._selection.prioritized:
-            raise ShmbufError(
-                "update_priorities() needs a prioritized pool: SamplerPool(..., "
-                "sampler='prioritized')"
-            )
+            raise ShmbufError("update_priorities() needs a prioritized pool: SamplerPool(..., "
+                              "sampler='prioritized')")
         if lanes is None and self._delivery is not None:
             lanes = self._delivery.recent.lanes_of(indices)
         indices, priorities = _host_array(indices), _host_array(priorities)
         lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
+        priorities = _window_priorities(self._selection.table, lanes, indices, priorities, mask)
         return self._selection.update(lanes, indices, priorities)
 
     # -- stats ------------------------------------------------------------------------------------------------
@@ -391,6 +392,19 @@ class LimiterHold:
                 self.buf.storage.limiter.deactivate()
             self.lease.close()
             self.lease = None
+
+
+def _window_priorities(table: PriorityTable | None, lanes: Any, indices: Any, priorities: Any,
+                       mask: Any) -> Any:
+    """``priorities`` as they are without a ``mask``; with one, a priority per window from
+    ``[B, T]`` ones over the steps it keeps (the selection then takes them as ``[B]``), or
+    ``ValueError`` unless the batches are sequences."""
+    if mask is None:
+        return priorities
+    if not isinstance(table, WindowPriorityTable):
+        raise ValueError("mask= selects the steps of sequences' [B, T] priorities: this "
+                         "pool's batches are not sequences (sequence_length=T)")
+    return table.window_priorities(lanes, indices, priorities, _host_array(mask))
 
 
 def _host_array(value: Any) -> Any:
