@@ -13,7 +13,8 @@ In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, i
     against its quiet rate measured right before, beside what a uniform learner keeps under
     the same writers (the CPU the writers take), the writers' rows/s against the same writers
     beside a uniform learner, the learner's CPU time per batch against quiet's (the work the
-    write rate adds, apart from the CPU the writers take), and any exception it raised.
+    write rate adds, apart from the CPU the writers take), and any exception it raised; then
+    cpprb's ``MPPrioritizedReplayBuffer`` under the same writers (``per_mp_peer.py``).
 
 Run it with another checkout first on PYTHONPATH to measure that one (before/after):
 
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from per_mp_peer import cpprb_mp_under_load
 
 import benchlib
 from benchlib import TimedCase
@@ -244,6 +246,11 @@ def under_load(rows: int, seconds: float) -> dict[str, Any]:
                 peer = loaded(buf, uniform, uniform.next, rate, seconds)
                 out[label]["uniform_writer_rows_per_s"] = peer["writer_rows_per_s"]
                 out[label]["uniform_kept"] = peer["learner_batches_per_s"] / quiet_uniform
+    for rate in RATES:  # the peer: cpprb's multiprocess PER under the same writers' pacing
+        label = "flat out" if rate is None else f"{rate:.0f}"
+        out[label]["cpprb_mp"] = cpprb_mp_under_load(rate, seconds, rows, batch_size=B,
+                                                     columns=COLUMNS, chunk=CHUNK,
+                                                     alpha=ALPHA, beta=BETA)
     return out
 
 
@@ -361,6 +368,12 @@ def report(res: dict[str, Any]) -> None:
               f"({r['writer_rows_per_s'] / max(1.0, r['uniform_writer_rows_per_s']):.2f}"
               f" of {r['uniform_writer_rows_per_s']:,.0f} beside uniform)"
               + (f"  RAISED {r['raised']}" if r["raised"] else ""))
+        c = r["cpprb_mp"]
+        print(f"  {'':>8} cpprb MPPrioritizedReplayBuffer: " + (c["skipped"] if "skipped" in c else
+              f"learner {c['learner_batches_per_s']:.0f} batches/s "
+              f"({c['learner_batches_per_s'] / c['quiet']:.2f} of its quiet "
+              f"{c['quiet']:.0f}), writers {c['writer_rows_per_s']:,.0f} rows/s"
+              + (f"  RAISED {c['raised']}" if c["raised"] else "")))
     for length, r in res.get("sequences", {}).items():
         print(f"sequences T={length}, B={SEQ_B}, {res['rows']} rows: prioritized sample + [B, T] "
               f"update {r['prioritized_batches_per_s']:.0f} batches/s, uniform "
