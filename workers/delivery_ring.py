@@ -13,17 +13,21 @@ import cloudpickle
 import numpy as np
 
 from shmbuf.errors import BufferInUseError, ClosedError, Timeout, WorkerDiedError, WorkerError
+from shmbuf.slots import full_fence
 
 from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
 from .delivery import Delivery, PoolParts
 from .device import DeviceStage
-from .sampler_proc import OP_FILL, OP_GATHER, OP_READY, OP_STALE, SamplerConfig, sampler_main
+from .sampler_proc import OP_WAKE, SamplerConfig, sampler_main
 from .selection import Rows
-from .staging import HELD, W_STATE, StagingRing, slot_arrays, write_rows
+from .staging import (ASSIGNED, ASSIGNED_ROWS, HELD, LEARNER, READY, STALE, StagingRing,
+                      slot_arrays, write_rows)
 from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
+# While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
+CHECK_EVERY = 0.05
 
 # Staging rings a device may still be reading when their pool closed: kept mapped until exit.
 _IN_FLIGHT_RINGS: list[StagingRing] = []
@@ -53,10 +57,20 @@ class RingDelivery(Delivery):
     READY, the worker's) -> HELD -> back to its worker.
 
     Concurrency: the learner (this process) owns the staging segment and writes a slot's control
-    words while it holds the slot; the worker writes them (and the slot's data) between FILL
-    and READY. A worker that dies mid-fill has its slots reclaimed (generation bumped) and is
-    restarted within the budget; a half-filled slot is never delivered. Workers exit by
-    themselves when the learner dies (their channel reaches end-of-file).
+    words while it holds the slot; the worker writes them (and the slot's data) between
+    ASSIGNED and READY. Hand-overs are word stores, so a batch that is ready costs ``next()``
+    no system call: it reads the STATE words of the slots it assigned (READY is stored after
+    the slot's last byte; x86-64 keeps stores in order and loads in order). Only a side that
+    is about to sleep needs a message, by this handshake (the learner's and each worker's
+    waiting word, ``staging``): the sleeper stores waiting=1, ``full_fence()``, then reads the
+    slot states again and blocks on its channel only if still nothing is there; the other side
+    stores the slot's state, ``full_fence()``, then reads the waiting word and sends a wake-up
+    only if it is 1. The fences forbid the one reordering x86-64 allows (a later load passing
+    an earlier store), so at least one side sees the other's store: a wake-up is never lost,
+    and an extra one is harmless (the states say what to do). A worker that dies mid-fill has
+    its slots reclaimed (generation bumped) and is restarted within the budget; a half-filled
+    slot is never READY, so never delivered. Workers exit by themselves when the learner dies
+    (their channel reaches end-of-file).
     """
 
     def __init__(self, parts: PoolParts, ctx: Any) -> None:
@@ -69,6 +83,8 @@ class RingDelivery(Delivery):
         self.waiting: list[int] = []  # slots with no rows to select yet
         self.ready: collections.deque[int] = collections.deque()  # filled slots, as they came
         self.order: collections.deque[int] = collections.deque()  # slots in assignment order
+        self.tickets = 0  # generations: one counter for all slots, so they order assignments
+        self.next_check = 0.0  # monotonic time of the next look at messages and deaths
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -76,11 +92,12 @@ class RingDelivery(Delivery):
         cfg, b = self.cfg, self.batch_size
         arrays = slot_arrays(self.out_arrays, b, self.compiled.index_shape)
         ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
-                                              {"buffer": self.buf.name, "batch_size": b})
+                                              {"buffer": self.buf.name, "batch_size": b},
+                                              n_workers=cfg.n_workers)
         worker_cfg = SamplerConfig(
             buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
             out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
-            rate_limited=cfg.limit is not None, plan=self.compiled.plan,
+            rate_limited=cfg.limit is not None, n_workers=cfg.n_workers, plan=self.compiled.plan,
             priority_table=table.name if (table := self.selection.draws_from) else None,
         )
         self.cfg_bytes = cloudpickle.dumps(worker_cfg)
@@ -104,7 +121,7 @@ class RingDelivery(Delivery):
         return self._live_ring().slot(slot)
 
     def mark_held(self, slot: int) -> None:
-        self._live_ring().set(slot, W_STATE, HELD)
+        self._live_ring().set_state(slot, HELD)
 
     def workers(self) -> list[_WorkerHandle]:
         return self.children.children
@@ -137,12 +154,18 @@ class RingDelivery(Delivery):
 
     # -- taking batches ---------------------------------------------------------------------------
     def next(self, timeout: float, step: int) -> Batch:
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
+        self._collect()
         self.occupancy_sum += len(self.ready) / self.cfg.n_staging
+        if now >= self.next_check:  # ready slots kept coming: still notice deaths and errors
+            self.next_check = now + CHECK_EVERY
+            self._poll(0)
         while True:
             if self.failure is not None:
                 raise self.failure
             self._reap_fences()
+            self._collect()
             if self.stage is not None:
                 self._submit_ready(self.stage, step)
                 if len(self.stage):
@@ -160,7 +183,42 @@ class RingDelivery(Delivery):
             quick = self.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
-            self._poll(min(remaining, pause))
+            self._sleep(min(remaining, pause))
+            self.next_check = time.monotonic() + CHECK_EVERY
+
+    def _collect(self) -> int:
+        """Take up every slot a worker has handed back (READY or STALE) by reading the STATE
+        words of the slots it was assigned; how many."""
+        ring = self.ring
+        if ring is None:
+            return 0
+        found = 0
+        for w in self.children.children:
+            if w.assigned:
+                for slot in [s for s in w.assigned if ring.state(s) in (READY, STALE)]:
+                    found += 1
+                    w.assigned.pop(slot, None)
+                    if ring.state(slot) == READY:
+                        self.ready.append(slot)
+                        w.batches += 1
+                        self.selection.gathered(slot)
+                    else:  # learner-selected rows were overwritten before the gather
+                        self.selection.stale(self.slot_rows.pop(slot))
+                        self.selection.gathered(slot)
+                        self._assign(w, slot, requeue=False)
+        return found
+
+    def _sleep(self, timeout: float) -> None:
+        """Block until a worker hands a slot back (or a message, death or wake-up), by the
+        handshake of the class docstring."""
+        ring = self._live_ring()
+        ring.set_waiting(LEARNER, True)
+        full_fence()  # a worker then sees "waiting", or this sees its READY
+        try:
+            if not self._collect():
+                self._poll(timeout)
+        finally:
+            ring.set_waiting(LEARNER, False)
 
     def _pop_ready(self) -> int | None:
         if self.cfg.ordered:  # the oldest assignment first, once it is ready
@@ -217,7 +275,7 @@ class RingDelivery(Delivery):
         the same rows are gathered again, so queue mode still delivers each exactly once."""
         ring = self.ring
         assert ring is not None
-        op = OP_FILL
+        state = ASSIGNED
         if self.selection.learner_selects:
             rows = self.slot_rows.get(slot)
             if rows is None:
@@ -232,16 +290,22 @@ class RingDelivery(Delivery):
                 self.slot_rows[slot] = rows
                 self.selection.track(slot, rows)
             write_rows(ring.slot(slot), *rows)
-            op = OP_GATHER
-        self.gen[slot] += 1
-        ring.assign(slot, w.wid, self.gen[slot])
+            state = ASSIGNED_ROWS
+        self.gen[slot] = self._ticket()
         w.assigned[slot] = None
         if requeue and self.cfg.ordered:
             self.order.append(slot)  # (a slot handed out again keeps its place)
-        try:
-            w.send(op, slot, self.gen[slot])
-        except OSError:
-            pass  # it died; its sentinel will say so and the slot is reclaimed then
+        ring.assign(slot, w.wid, self.gen[slot], state)
+        full_fence()  # the worker then sees the slot, or this sees it waiting
+        if ring.waiting(1 + w.wid):
+            try:
+                w.send(OP_WAKE, slot, self.gen[slot])
+            except OSError:
+                pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def _ticket(self) -> int:
+        self.tickets += 1
+        return self.tickets
 
     def _retry_waiting(self) -> None:
         for slot in self.waiting[:]:
@@ -260,21 +324,10 @@ class RingDelivery(Delivery):
             self._assign(w, s, requeue=False)
 
     def _receive(self, w: _WorkerHandle) -> None:
-        """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
-        for op, slot, gen, text in w.receive():
-            if op == OP_READY:
-                if slot in w.assigned and gen == self.gen[slot]:
-                    w.assigned.pop(slot, None)
-                    self.ready.append(slot)
-                    w.batches += 1
-                    self.selection.gathered(slot)
-            elif op == OP_STALE:  # learner-selected rows were overwritten before the gather
-                if slot in w.assigned and gen == self.gen[slot]:
-                    w.assigned.pop(slot, None)
-                    self.selection.stale(self.slot_rows.pop(slot))
-                    self.selection.gathered(slot)
-                    self._assign(w, slot, requeue=False)
-            elif op == OP_HELLO:
+        """Take every message ``w`` has sent (its death, if any, is the sentinel's business;
+        ``OP_READY`` only woke this process: ``_collect`` reads the slots' states)."""
+        for op, _slot, _gen, text in w.receive():
+            if op == OP_HELLO:
                 w.hello = True
                 w.startup_failures = 0
             elif op == OP_ERROR:
@@ -286,6 +339,7 @@ class RingDelivery(Delivery):
     def _on_exit(self, w: _WorkerHandle) -> None:
         """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
         self._receive(w)
+        self._collect()  # what it finished (READY after its last byte) is delivered
         if self.failure is not None:
             return
         children, ring = self.children, self._live_ring()
@@ -293,7 +347,7 @@ class RingDelivery(Delivery):
         pid, how = w.proc.pid, w.describe_exit()
         lost = list(w.assigned)
         for s in lost:  # half-filled or never started: nobody writes them any more
-            self.gen[s] += 1
+            self.gen[s] = self._ticket()
             ring.free(s, self.gen[s])
         w.assigned.clear()
         if not w.hello and self_inflicted(w.proc.exitcode):

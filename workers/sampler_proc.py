@@ -1,13 +1,13 @@
 """The sampler worker process: fills staging slots the learner assigns to it, one batch each.
 
-Protocol with the learner, over this worker's own socketpair (``channel.Channel`` records):
-learner -> worker ``FILL(slot, generation)`` (draw and gather a batch), ``GATHER(slot,
-generation)`` (gather the rows the learner wrote into the slot's index arrays) or ``STOP``;
-worker -> learner ``HELLO`` once set up, ``READY(slot, generation)`` after a slot is completely
-written, ``STALE(slot, generation)`` when a row to gather was overwritten first, ``ERROR
-(traceback)`` when user code fails. A slot is only ever announced after its last byte is
-written, so a worker killed mid-fill can never hand over a half-filled batch. What fills a slot
-is the ``filler.BatchFiller`` the in-process delivery uses too.
+Protocol with the learner: work moves through the slots' STATE words (``staging``): the learner
+stores ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows it wrote into the slot), the
+worker FILLING, then READY once the slot is completely written (STALE when a row to gather was
+overwritten first). A slot is only ever marked READY after its last byte is written, so a worker
+killed mid-fill can never hand over a half-filled batch. The socketpair (``channel.Channel``)
+only wakes a side that sleeps (``OP_WAKE`` learner -> worker, ``OP_READY`` worker -> learner,
+sent only when the waiting word says so) and carries ``HELLO``, ``ERROR (traceback)`` and
+``STOP``. What fills a slot is the ``filler.BatchFiller`` the in-process delivery uses too.
 
 The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
 segment's owner lease is free (checked at least every ``LIVENESS_EVERY`` seconds).
@@ -27,14 +27,20 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.priority import PriorityTable
+from shmbuf.slots import full_fence
 
 from .channel import OP_ERROR, OP_HELLO, OP_STOP, Channel
 from .filler import Backoff, BatchFiller
-from .staging import FILLING, READY, W_OWNER, W_SEQ, W_STATE, StagingRing
+from .staging import (ASSIGNED_ROWS, FILLING, LEARNER, READY, STALE, W_OWNER, W_SEQ,
+                      WORKER_STATES, StagingRing)
 
-OP_READY, OP_STALE = 2, 4  # besides channel.OP_HELLO and OP_ERROR
-OP_FILL, OP_GATHER = 10, 12  # GATHER: the learner wrote the rows into the slot (and OP_STOP)
+OP_READY = 2  # worker -> learner: a slot changed state (besides channel.OP_HELLO and OP_ERROR)
+OP_WAKE = 10  # learner -> worker: a slot was assigned to you (besides channel.OP_STOP)
 LIVENESS_EVERY = 0.5
+# With nothing to fill, a worker first naps (backoff up to 1 ms) for this long, looking at its
+# slots' states, before it blocks on its channel: a learner that releases slots at a train step's
+# pace then never needs a system call to wake it.
+NAP_BEFORE_BLOCKING = 0.05
 
 
 @dataclass
@@ -49,6 +55,7 @@ class SamplerConfig:
     transform: Any = None
     min_size: int = 1
     rate_limited: bool = False
+    n_workers: int = 1  # worker ``w`` fills slots ``w, w + n_workers, ...``
     plan: Any = None  # shmbuf.sampling.Plan
     priority_table: str | None = None  # workers draw from it (read-only) when set
 
@@ -82,8 +89,12 @@ def sampler_main(sock: Any, cfg_bytes: bytes, worker_id: int, seed: Any) -> None
 class _Worker:
     """One sampler process's state: its buffer, ring and filler, and the learner's messages.
 
-    Concurrency: writes only the staging slots the learner handed it (between ``FILL``/``GATHER``
-    and ``READY``), and its own limiter counter (sampler slot ``worker_id``).
+    Concurrency: writes only the staging slots the learner handed it (between ASSIGNED and
+    READY/STALE), its own waiting word, and its own limiter counter (sampler slot
+    ``worker_id``). Before it blocks it stores its waiting word, fences (``full_fence``) and
+    looks at its slots again; the learner stores a slot's state, fences, then reads the waiting
+    word: one of the two always sees the other's store, so an assignment never waits for the
+    poll timeout. The same handshake the other way wakes a waiting learner after READY.
     """
 
     def __init__(self, cfg: SamplerConfig, chan: Channel, worker_id: int, seed: Any) -> None:
@@ -93,6 +104,8 @@ class _Worker:
         self.buf = ReplayBuffer.attach(cfg.buffer)
         self.ring = StagingRing.attach(cfg.staging)
         self.pending: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.my_slots = list(range(worker_id, self.ring.n_slots, cfg.n_workers))
+        self.waiter = 1 + worker_id
         self.seq = 0
         self.next_liveness = time.monotonic() + LIVENESS_EVERY
         self.table = PriorityTable.attach(cfg.priority_table) if cfg.priority_table else None
@@ -128,34 +141,72 @@ class _Worker:
             raise LearnerGone
 
     def run(self) -> None:
+        idle_since, backoff = None, Backoff(5e-5, 1e-3)
         while True:
-            if not self.pending:
-                self._receive(LIVENESS_EVERY)
-                self._check_learner()
+            slot = self._assigned_slot()
+            if slot is None:
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since, backoff = now, Backoff(5e-5, 1e-3)
+                if now - idle_since < NAP_BEFORE_BLOCKING:
+                    backoff.sleep()
+                elif self._sleep_until_assigned():
+                    return
                 continue
-            op, slot, gen = self.pending.popleft()
-            if op == OP_STOP:
-                return
-            if op in (OP_FILL, OP_GATHER):
-                self._fill(slot, gen, given=op == OP_GATHER)
+            idle_since = None
+            self._fill(slot, given=self.ring.state(slot) == ASSIGNED_ROWS)
+
+    def _assigned_slot(self) -> int | None:
+        """The slot the learner assigned first among those waiting for this worker, if any."""
+        ring, best, best_gen = self.ring, None, 0
+        for slot in self.my_slots:
+            if ring.state(slot) in WORKER_STATES:
+                gen = ring.generation(slot)
+                if best is None or gen < best_gen:
+                    best, best_gen = slot, gen
+        return best
+
+    def _sleep_until_assigned(self) -> bool:
+        """Block on the channel until the learner assigns a slot (or a liveness check is due);
+        True if it asked this worker to stop."""
+        ring = self.ring
+        ring.set_waiting(self.waiter, True)
+        full_fence()  # the learner then sees "waiting", or this sees its assignment
+        try:
+            if self._assigned_slot() is None:
+                self._receive(LIVENESS_EVERY)
+        finally:
+            ring.set_waiting(self.waiter, False)
+        stop = any(op == OP_STOP for op, _, _ in self.pending)
+        self.pending.clear()  # wake-ups: the slots' states say what to do
+        self._check_learner()
+        return stop
 
     # -- filling --------------------------------------------------------------------------------
-    def _fill(self, slot: int, gen: int, given: bool) -> None:
-        """Fill ``slot`` (draw, or gather the rows the learner gave) and announce it."""
+    def _fill(self, slot: int, given: bool) -> None:
+        """Fill ``slot`` (draw, or gather the rows the learner gave) and mark it READY."""
         ring, filler = self.ring, self.filler
         if not given:
             filler.wait_until_drawable(self._wait)
         ring.set(slot, W_OWNER, self.wid)
-        ring.set(slot, W_STATE, FILLING)
+        ring.set_state(slot, FILLING)
         if not given:
             filler.draw(slot, self.rng, self._wait)
         elif not filler.gather(slot):
-            self._send(OP_STALE, slot, gen)
+            self._hand_back(slot, STALE)
             return
         ring.set(slot, W_SEQ, self.seq)
         self.seq += 1
-        ring.set(slot, W_STATE, READY)
-        self._send(OP_READY, slot, gen)
+        self._hand_back(slot, READY)
+
+    def _hand_back(self, slot: int, state: int) -> None:
+        """Store ``slot``'s final ``state`` (after every byte of it); wake the learner if it
+        waits (its ``next()`` otherwise finds the state by itself)."""
+        ring = self.ring
+        ring.set_state(slot, state)
+        full_fence()
+        if ring.waiting(LEARNER):
+            self._send(OP_READY, slot, ring.generation(slot))
 
     def _send(self, op: int, slot: int, gen: int) -> None:
         try:
