@@ -5,6 +5,7 @@ them; the learner takes ready slots as views, hands them back, and supervises th
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import warnings
 from typing import Any
@@ -13,7 +14,6 @@ import cloudpickle
 import numpy as np
 
 from shmbuf.errors import BufferInUseError, ClosedError, Timeout, WorkerDiedError, WorkerError
-from shmbuf.slots import full_fence
 
 from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
@@ -21,13 +21,13 @@ from .delivery import Delivery, PoolParts
 from .device import DeviceStage
 from .sampler_proc import OP_WAKE, SamplerConfig, sampler_main
 from .selection import Rows
-from .staging import (ASSIGNED, ASSIGNED_ROWS, HELD, LEARNER, READY, STALE, StagingRing,
+from .staging import (ASSIGNED, ASSIGNED_ROWS, HELD, LEARNER, READY, StagingRing,
                       slot_arrays, write_rows)
 from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
 # While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
-CHECK_EVERY = 0.05
+CHECK_EVERY = 1.0
 
 # Staging rings a device may still be reading when their pool closed: kept mapped until exit.
 _IN_FLIGHT_RINGS: list[StagingRing] = []
@@ -52,25 +52,41 @@ class _WorkerHandle(Child):
                 "batches": self.batches}
 
 
+class ReadySlots:
+    """Filled slots as they came; with ``ordered``, taken in the order they were assigned."""
+
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+        self.ready: collections.deque[int] = collections.deque()
+        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
+
+    def __len__(self) -> int:
+        return len(self.ready)
+
+    def append(self, slot: int) -> None:
+        self.ready.append(slot)
+
+    def pop(self) -> int | None:
+        """The next slot to deliver, if it is ready."""
+        if self.ordered:  # the oldest assignment first, once it is ready
+            if not self.order or self.order[0] not in self.ready:
+                return None
+            slot = self.order.popleft()
+            self.ready.remove(slot)
+            return slot
+        return self.ready.popleft() if self.ready else None
+
+
 class RingDelivery(Delivery):
     """Slot ``s`` belongs to worker ``s % n_workers``; it moves FREE -> ASSIGNED -> (FILLING ->
     READY, the worker's) -> HELD -> back to its worker.
 
     Concurrency: the learner (this process) owns the staging segment and writes a slot's control
     words while it holds the slot; the worker writes them (and the slot's data) between
-    ASSIGNED and READY. Hand-overs are word stores, so a batch that is ready costs ``next()``
-    no system call: it reads the STATE words of the slots it assigned (READY is stored after
-    the slot's last byte; x86-64 keeps stores in order and loads in order). Only a side that
-    is about to sleep needs a message, by this handshake (the learner's and each worker's
-    waiting word, ``staging``): the sleeper stores waiting=1, ``full_fence()``, then reads the
-    slot states again and blocks on its channel only if still nothing is there; the other side
-    stores the slot's state, ``full_fence()``, then reads the waiting word and sends a wake-up
-    only if it is 1. The fences forbid the one reordering x86-64 allows (a later load passing
-    an earlier store), so at least one side sees the other's store: a wake-up is never lost,
-    and an extra one is harmless (the states say what to do). A worker that dies mid-fill has
-    its slots reclaimed (generation bumped) and is restarted within the budget; a half-filled
-    slot is never READY, so never delivered. Workers exit by themselves when the learner dies
-    (their channel reaches end-of-file).
+    ASSIGNED and READY. Hand-overs are STATE word stores, wake-ups only by the handshake of
+    ``staging`` (no system call while batches are ready). A worker that dies mid-fill has its
+    slots reclaimed (generation bumped) and is restarted within the budget; a half-filled slot
+    is never READY, so never delivered. Workers exit by themselves when the learner dies.
     """
 
     def __init__(self, parts: PoolParts, ctx: Any) -> None:
@@ -81,9 +97,8 @@ class RingDelivery(Delivery):
         self.ring: StagingRing | None = None  # None until started, and once closed
         self.slot_rows: dict[int, Rows] = {}  # learner-selected rows of each assigned slot
         self.waiting: list[int] = []  # slots with no rows to select yet
-        self.ready: collections.deque[int] = collections.deque()  # filled slots, as they came
-        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
-        self.tickets = 0  # generations: one counter for all slots, so they order assignments
+        self.ready = ReadySlots(parts.cfg.ordered)
+        self.tickets = itertools.count(1)  # generations, one count for all: assignment order
         self.next_check = 0.0  # monotonic time of the next look at messages and deaths
 
     def start(self) -> None:
@@ -171,7 +186,7 @@ class RingDelivery(Delivery):
                 if len(self.stage):
                     return self.hold_device(self.stage)
             else:
-                slot = self._pop_ready()
+                slot = self.ready.pop()
                 if slot is not None:
                     return self.hold(slot, step)
             if self.waiting:
@@ -183,51 +198,29 @@ class RingDelivery(Delivery):
             quick = self.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
-            self._sleep(min(remaining, pause))
+            with self._live_ring().sleeping(LEARNER):  # the handshake of ``staging``
+                if not self._collect():
+                    self._poll(min(remaining, pause))
             self.next_check = time.monotonic() + CHECK_EVERY
 
     def _collect(self) -> int:
-        """Take up every slot a worker has handed back (READY or STALE) by reading the STATE
-        words of the slots it was assigned; how many."""
-        ring = self.ring
-        if ring is None:
-            return 0
-        found = 0
-        for w in self.children.children:
-            if w.assigned:
-                for slot in [s for s in w.assigned if ring.state(s) in (READY, STALE)]:
-                    found += 1
-                    w.assigned.pop(slot, None)
-                    if ring.state(slot) == READY:
-                        self.ready.append(slot)
-                        w.batches += 1
-                        self.selection.gathered(slot)
-                    else:  # learner-selected rows were overwritten before the gather
-                        self.selection.stale(self.slot_rows.pop(slot))
-                        self.selection.gathered(slot)
-                        self._assign(w, slot, requeue=False)
+        """Take up the slots workers handed back (READY, or STALE: learner-selected rows were
+        overwritten before the gather) from their STATE words; how many."""
+        ring, found = self.ring, 0
+        for w in self.children.children if ring is not None else ():
+            for slot in ring.handed_back(w.assigned) if w.assigned else ():  # type: ignore[union-attr]
+                found += 1
+                del w.assigned[slot]
+                ready = ring.state(slot) == READY  # type: ignore[union-attr]
+                if ready:
+                    self.ready.append(slot)
+                    w.batches += 1
+                else:
+                    self.selection.stale(self.slot_rows.pop(slot))
+                self.selection.gathered(slot)
+                if not ready:
+                    self._assign(w, slot, requeue=False)
         return found
-
-    def _sleep(self, timeout: float) -> None:
-        """Block until a worker hands a slot back (or a message, death or wake-up), by the
-        handshake of the class docstring."""
-        ring = self._live_ring()
-        ring.set_waiting(LEARNER, True)
-        full_fence()  # a worker then sees "waiting", or this sees its READY
-        try:
-            if not self._collect():
-                self._poll(timeout)
-        finally:
-            ring.set_waiting(LEARNER, False)
-
-    def _pop_ready(self) -> int | None:
-        if self.cfg.ordered:  # the oldest assignment first, once it is ready
-            if not self.order or self.order[0] not in self.ready:
-                return None
-            slot = self.order.popleft()
-            self.ready.remove(slot)
-            return slot
-        return self.ready.popleft() if self.ready else None
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
@@ -246,7 +239,7 @@ class RingDelivery(Delivery):
         """Copy ready slots to the device while device buffers are free; each slot goes back to
         the workers once its copy has completed."""
         while stage.can_submit():
-            slot = self._pop_ready()
+            slot = self.ready.pop()
             if slot is None:
                 return
             self.submit_slot(stage, slot, step)
@@ -270,9 +263,8 @@ class RingDelivery(Delivery):
                 self._assign(self._worker_of(slot), slot)
 
     def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
-        """Hand ``slot`` to ``w``: to sample (``FILL``), or with learner-selected rows written
-        into it (``GATHER``). Rows already selected for the slot are kept: after a worker death
-        the same rows are gathered again, so queue mode still delivers each exactly once."""
+        """Hand ``slot`` to ``w`` (ASSIGNED), or with learner-selected rows in it (ASSIGNED_ROWS;
+        kept after a worker death: queue mode still delivers each row exactly once)."""
         ring = self.ring
         assert ring is not None
         state = ASSIGNED
@@ -284,28 +276,23 @@ class RingDelivery(Delivery):
                 if rows is None:  # nothing to select now: retried from next()
                     ring.free(slot)
                     self.waiting.append(slot)
-                    if slot in self.order:  # it gets a new place once it has rows again
-                        self.order.remove(slot)
+                    if slot in self.ready.order:  # a new place once it has rows again
+                        self.ready.order.remove(slot)
                     return
                 self.slot_rows[slot] = rows
                 self.selection.track(slot, rows)
             write_rows(ring.slot(slot), *rows)
             state = ASSIGNED_ROWS
-        self.gen[slot] = self._ticket()
+        self.gen[slot] = next(self.tickets)
         w.assigned[slot] = None
         if requeue and self.cfg.ordered:
-            self.order.append(slot)  # (a slot handed out again keeps its place)
+            self.ready.order.append(slot)  # (a slot handed out again keeps its place)
         ring.assign(slot, w.wid, self.gen[slot], state)
-        full_fence()  # the worker then sees the slot, or this sees it waiting
-        if ring.waiting(1 + w.wid):
+        if ring.wake_needed(1 + w.wid):
             try:
                 w.send(OP_WAKE, slot, self.gen[slot])
             except OSError:
                 pass  # it died; its sentinel will say so and the slot is reclaimed then
-
-    def _ticket(self) -> int:
-        self.tickets += 1
-        return self.tickets
 
     def _retry_waiting(self) -> None:
         for slot in self.waiting[:]:
@@ -324,8 +311,7 @@ class RingDelivery(Delivery):
             self._assign(w, s, requeue=False)
 
     def _receive(self, w: _WorkerHandle) -> None:
-        """Take every message ``w`` has sent (its death, if any, is the sentinel's business;
-        ``OP_READY`` only woke this process: ``_collect`` reads the slots' states)."""
+        """Take ``w``'s messages (OP_READY only woke us: ``_collect`` reads the states)."""
         for op, _slot, _gen, text in w.receive():
             if op == OP_HELLO:
                 w.hello = True
@@ -347,7 +333,7 @@ class RingDelivery(Delivery):
         pid, how = w.proc.pid, w.describe_exit()
         lost = list(w.assigned)
         for s in lost:  # half-filled or never started: nobody writes them any more
-            self.gen[s] = self._ticket()
+            self.gen[s] = next(self.tickets)
             ring.free(s, self.gen[s])
         w.assigned.clear()
         if not w.hello and self_inflicted(w.proc.exitcode):

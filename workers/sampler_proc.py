@@ -27,7 +27,6 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.priority import PriorityTable
-from shmbuf.slots import full_fence
 
 from .channel import OP_ERROR, OP_HELLO, OP_STOP, Channel
 from .filler import Backoff, BatchFiller
@@ -91,10 +90,7 @@ class _Worker:
 
     Concurrency: writes only the staging slots the learner handed it (between ASSIGNED and
     READY/STALE), its own waiting word, and its own limiter counter (sampler slot
-    ``worker_id``). Before it blocks it stores its waiting word, fences (``full_fence``) and
-    looks at its slots again; the learner stores a slot's state, fences, then reads the waiting
-    word: one of the two always sees the other's store, so an assignment never waits for the
-    poll timeout. The same handshake the other way wakes a waiting learner after READY.
+    ``worker_id``). It blocks, and wakes the learner, by the handshake of ``staging``.
     """
 
     def __init__(self, cfg: SamplerConfig, chan: Channel, worker_id: int, seed: Any) -> None:
@@ -169,14 +165,9 @@ class _Worker:
     def _sleep_until_assigned(self) -> bool:
         """Block on the channel until the learner assigns a slot (or a liveness check is due);
         True if it asked this worker to stop."""
-        ring = self.ring
-        ring.set_waiting(self.waiter, True)
-        full_fence()  # the learner then sees "waiting", or this sees its assignment
-        try:
+        with self.ring.sleeping(self.waiter):
             if self._assigned_slot() is None:
                 self._receive(LIVENESS_EVERY)
-        finally:
-            ring.set_waiting(self.waiter, False)
         stop = any(op == OP_STOP for op, _, _ in self.pending)
         self.pending.clear()  # wake-ups: the slots' states say what to do
         self._check_learner()
@@ -204,8 +195,7 @@ class _Worker:
         waits (its ``next()`` otherwise finds the state by itself)."""
         ring = self.ring
         ring.set_state(slot, state)
-        full_fence()
-        if ring.waiting(LEARNER):
+        if ring.wake_needed(LEARNER):
             self._send(OP_READY, slot, ring.generation(slot))
 
     def _send(self, op: int, slot: int, gen: int) -> None:

@@ -15,12 +15,21 @@ Concurrency: a slot's words and data are written only by whoever holds the slot,
 moves by the store of its STATE word, the last store of a hand-over (learner -> worker:
 ASSIGNED/ASSIGNED_ROWS; worker -> learner: READY/STALE), so no word ever has two writers and a
 reader that sees the new state also sees every byte written before it (x86-64 keeps stores in
-order, and loads in order). A waiter word is written only by its waiter. The learner (the owner
-of this segment) reclaims a slot from a worker only after that worker's process is gone.
+order, and loads in order). A hand-over costs no system call; only a side about to sleep needs
+a message, by this handshake on its waiting word (written only by its waiter): the sleeper
+stores waiting=1, ``full_fence()``, reads the slot states again and blocks on its channel only
+if still nothing is there (``sleeping``); the other side stores the slot's state,
+``full_fence()``, reads the waiting word and sends a wake-up only if it is 1 (``wake_needed``).
+The fences forbid the one reordering x86-64 allows (a later load passing an earlier store), so
+at least one side sees the other's store: a wake-up is never lost, and an extra one is harmless
+(the states say what to do). The learner (the owner of this segment) reclaims a slot from a
+worker only after that worker's process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +38,12 @@ import numpy as np
 from shmbuf.errors import ClosedError
 from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
+from shmbuf.slots import full_fence
 
 FREE, ASSIGNED, FILLING, READY, HELD = range(5)
 ASSIGNED_ROWS = 5  # assigned with the rows to gather written into its index arrays
 STALE = 6  # a row to gather was overwritten before it was read: nothing delivered
+HANDED_BACK = (READY, STALE)  # what the learner takes up
 WORKER_STATES = (ASSIGNED, ASSIGNED_ROWS)  # what a worker takes up
 LEARNER = 0  # waiter line of the learner; worker ``w`` has line ``1 + w``
 
@@ -219,6 +230,29 @@ class StagingRing:
 
     def set_waiting(self, waiter: int, waiting: bool) -> None:
         self.words[self.layout.waiter_word(waiter)] = int(waiting)
+
+    @contextlib.contextmanager
+    def sleeping(self, waiter: int) -> Iterator[None]:
+        """The sleeper's half of the wake-up handshake: inside, ``waiter``'s waiting word is 1
+        and fenced, so look at the slot states once more, then block if still nothing."""
+        self.set_waiting(waiter, True)
+        full_fence()  # the other side then sees "waiting", or this one sees its store
+        try:
+            yield
+        finally:
+            if self.words:  # (closed meanwhile by another thread: nothing to clear)
+                self.set_waiting(waiter, False)
+
+    def wake_needed(self, waiter: int) -> bool:
+        """The waker's half, after storing a slot's state: does ``waiter`` sleep (or is about
+        to) and need a message?"""
+        full_fence()
+        return self.waiting(waiter)
+
+    def handed_back(self, slots: Any) -> list[int]:
+        """Those of ``slots`` whose worker is done with them (READY or STALE)."""
+        words, index = self.words, self.state_words
+        return [s for s in slots if words[index[s]] in HANDED_BACK]
 
     def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> None:
         """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
