@@ -2,6 +2,8 @@
 """Sampler-pool benchmark: what the learner pays per batch, and what the pool buys a training loop.
 
 In one run, on the same buffers (ratios are measured side by side; this machine is noisy):
+  0. the learner's time inside ``pool.next()`` with a 5 ms train step (sleep) between batches,
+     p50/p99, 1 and 4 workers (``--base DIR``: beside the same in a checkout of another commit);
   1. learner-side seconds per batch: ``pool.next()`` against in-process ``buf.sample()``;
   2. a training loop whose train step takes as long as one in-process sample: batches/s with the
      pool against in-process sampling;
@@ -67,6 +69,57 @@ def learner_cost(buf: ReplayBuffer, batch: int, workers: int, n: int) -> dict[st
         # before each call a "train step", long enough for the workers to refill the ring
         t_next = median_seconds(pool.next, n, before=lambda: busy(2 * t_sample))
     return {"in_process_s": t_sample, "pool_next_s": t_next, "ratio": t_next / t_sample}
+
+
+def sleep_wake(buf: ReplayBuffer, batch: int, workers: int, n: int,
+               pause: float = 0.005) -> dict[str, float]:
+    """(0) The learner's time inside next() when a train step (a sleep of ``pause``) separates
+    the batches: the learner wakes cold, the workers have refilled the ring meanwhile."""
+    times = []
+    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+        for _ in range(2 * workers + 2):
+            pool.next()
+        for _ in range(n):
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            pool.next()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"p50_s": times[len(times) // 2], "p99_s": times[min(len(times) - 1, len(times) * 99 // 100)]}
+
+
+def sleep_wake_rounds(workers: int, n: int, rounds: int, quick: bool) -> dict[str, float]:
+    """Medians over ``rounds`` of ``sleep_wake`` on atari B=256."""
+    runs = []
+    for _ in range(rounds):
+        with filled_buffer("atari", 2000 if quick else 20_000) as buf:
+            runs.append(sleep_wake(buf, 256, workers, n))
+    return {k: statistics.median(r[k] for r in runs) for k in ("p50_s", "p99_s")}
+
+
+def compare_sleep_wake(base: str, n: int, rounds: int, quick: bool) -> list[dict[str, Any]]:
+    """(0) against ``base`` (a checkout, e.g. a git worktree of the base commit): the same
+    measurement in a subprocess importing shmbuf/workers from there, rounds alternating."""
+    import json
+    import subprocess
+
+    rows = []
+    for workers in (1, 4):
+        mine: list[dict[str, float]] = []
+        theirs: list[dict[str, float]] = []
+        for _ in range(rounds):
+            mine.append(sleep_wake_rounds(workers, n, 1, quick))
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--sleep-wake-only", str(workers),
+                 "--calls", str(n)], env={**os.environ, "PYTHONPATH": base},
+                capture_output=True, text=True, check=True).stdout
+            theirs.append(json.loads(out.strip().splitlines()[-1]))
+        row: dict[str, Any] = {"n_workers": workers}
+        for k in ("p50_s", "p99_s"):
+            row[k] = statistics.median(r[k] for r in mine)
+            row["base_" + k] = statistics.median(r[k] for r in theirs)
+        rows.append(row)
+    return rows
 
 
 def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> dict[str, float]:
@@ -238,7 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="workers for 1, 2, 4 (default: cores)")
     p.add_argument("--max-workers", type=int, default=None, help="(3) up to this many workers")
     p.add_argument("--plot", default="bench-out/pool_scaling.png")
+    p.add_argument("--base", default=None,
+                   help="(0) also measure this checkout (e.g. a worktree of the base commit)")
+    p.add_argument("--only", choices=["sleep-wake"], default=None, help="run only this section")
+    p.add_argument("--sleep-wake-only", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--calls", type=int, default=None, help="(0) next() calls per round")
     args = p.parse_args(argv)
+    if args.sleep_wake_only is not None:  # the --base subprocess: one round, JSON out
+        import json
+        print(json.dumps(sleep_wake_rounds(args.sleep_wake_only, args.calls, 1, False)))
+        return 0
     rounds, secs = run_options(args)
     cores = os.cpu_count() or 2
     workers = args.workers or cores
@@ -253,7 +315,31 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"bench_pool: {workers} workers{' (quick)' if quick else ''}, {rounds} round(s) of "
           f"{secs:g} s\n{benchlib.machine_line(info)}\n")
-    print("(1) learner-side cost per batch: pool.next() vs in-process buf.sample()")
+    n_sw = args.calls or (50 if quick else 400)
+    print("(0) learner time inside next() with a 5 ms sleep (train step) between batches, "
+          f"atari 256 (median of {rounds} rounds of {n_sw} calls)")
+    if args.base:
+        rows_sw = compare_sleep_wake(args.base, n_sw, rounds, quick)
+    else:
+        rows_sw = [{"n_workers": w, **sleep_wake_rounds(w, n_sw, rounds, quick)} for w in (1, 4)]
+    results["sleep_wake"] = rows_sw
+    for r in rows_sw:
+        line = (f"    {r['n_workers']} worker(s): p50 {r['p50_s'] * 1e6:6.1f} us, "
+                f"p99 {r['p99_s'] * 1e6:6.1f} us")
+        if "base_p50_s" in r:
+            line += (f" | base p50 {r['base_p50_s'] * 1e6:6.1f} us, p99 "
+                     f"{r['base_p99_s'] * 1e6:6.1f} us | after/before p50 "
+                     f"{r['p50_s'] / r['base_p50_s']:.2f}, p99 {r['p99_s'] / r['base_p99_s']:.2f}")
+        print(line)
+        verdicts.append((f"sleep/wake next() <= 20 us p50, <= 50 us p99, {r['n_workers']} "
+                         f"worker(s)", r["p50_s"] <= 20e-6 and r["p99_s"] <= 50e-6,
+                         f"p50 {r['p50_s'] * 1e6:.1f} us, p99 {r['p99_s'] * 1e6:.1f} us"))
+    if args.only == "sleep-wake":
+        for name, ok, detail in verdicts:
+            print(f"    {'PASS' if ok else 'MISS'}  {name}: {detail}")
+        return 0
+
+    print("\n(1) learner-side cost per batch: pool.next() vs in-process buf.sample()")
     print(f"    {'workload':<8} {'batch':>5} {'in-process':>12} {'pool next()':>12} {'ratio':>8}")
     results["learner_cost"] = []
     for workload, batch in CASES:
