@@ -76,8 +76,8 @@ def full_fence() -> None:
     sleep/wake-up handshake (the staging ring's waiting words) needs it on both sides.
 
     Taking an uncontended lock is an atomic read-modify-write (``lock cmpxchg`` in glibc's
-    ``sem_wait``/``pthread_mutex_lock``, which CPython's ``Lock`` uses), a full barrier on x86-64.
-    About 0.2-0.7 us from Python.
+    ``sem_wait``/``pthread_mutex_lock``, which CPython's ``Lock`` uses), a full barrier on x86-64
+    (the platforms ``platform_supported`` accepts). About 0.2-0.7 us from Python when warm.
     """
     with _FENCE_LOCK:
         pass

@@ -109,9 +109,10 @@ class RingDelivery(Delivery):
     Concurrency: the learner (this process) owns the staging segment and writes a slot's control
     words while it holds the slot; the worker writes them (and the slot's data) between
     ASSIGNED and READY. Hand-overs are STATE word stores, wake-ups only by the handshake of
-    ``staging`` (no system call while batches are ready). A worker that dies mid-fill has its
-    slots reclaimed (generation bumped) and is restarted within the budget; a half-filled slot
-    is never READY, so never delivered. Workers exit by themselves when the learner dies.
+    ``staging`` (no system call while batches are ready, but a ``poll`` for messages and deaths
+    every ``CHECK_EVERY`` s). A worker that dies mid-fill has its slots reclaimed (generation
+    bumped) and is restarted within the budget; a half-filled slot is never READY, so never
+    delivered. Workers exit by themselves when the learner dies.
     """
 
     def __init__(self, parts: PoolParts, ctx: Any) -> None:
