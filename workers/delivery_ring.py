@@ -207,7 +207,6 @@ class RingDelivery(Delivery):
             if self.failure is not None:
                 raise self.failure
             self._reap_fences()
-            self._collect()
             if self.stage is not None:
                 self._submit_ready(self.stage, step)
                 if len(self.stage):
@@ -228,6 +227,7 @@ class RingDelivery(Delivery):
             with self._live_ring().sleeping(LEARNER):  # the handshake of ``staging``
                 if not self._collect():
                     self._poll(min(remaining, pause))
+                    self._collect()
             self.next_check = time.monotonic() + CHECK_EVERY
 
     def _collect(self) -> int:
