@@ -220,9 +220,13 @@ class StagingRing:
         self.words = memoryview(mm).cast("q")
         self.stats = PoolStats(self.words, self.layout.stats_offset)
         # Word indices of each slot's STATE and GENERATION, for the per-batch reads.
-        self.state_words = [self.layout.word(s, W_STATE) for s in range(self.layout.n_slots)]
-        self.generation_words = [self.layout.word(s, W_GENERATION)
-                                 for s in range(self.layout.n_slots)]
+        # Word indices of each slot's STATE, OWNER and GENERATION and of each waiting word, for
+        # the per-batch reads and stores.
+        lay = self.layout
+        self.state_words = [lay.word(s, W_STATE) for s in range(lay.n_slots)]
+        self.owner_words = [lay.word(s, W_OWNER) for s in range(lay.n_slots)]
+        self.generation_words = [lay.word(s, W_GENERATION) for s in range(lay.n_slots)]
+        self.waiter_words = [lay.waiter_word(w) for w in range(lay.n_waiters)]
         self._slots: list[dict[str, np.ndarray]] = []
         for s in range(self.layout.n_slots):
             base = self.layout.slot_offset(s)
@@ -298,10 +302,10 @@ class StagingRing:
 
     def waiting(self, waiter: int) -> bool:
         """Is ``waiter`` (``LEARNER``, or ``1 + worker id``) about to block, or blocked?"""
-        return bool(self.words[self.layout.waiter_word(waiter)])
+        return bool(self.words[self.waiter_words[waiter]])
 
     def set_waiting(self, waiter: int, waiting: bool) -> None:
-        self.words[self.layout.waiter_word(waiter)] = int(waiting)
+        self.words[self.waiter_words[waiter]] = int(waiting)
 
     @contextlib.contextmanager
     def sleeping(self, waiter: int) -> Iterator[None]:
@@ -319,7 +323,7 @@ class StagingRing:
         """The waker's half, after storing a slot's state: does ``waiter`` sleep (or is about
         to) and need a message?"""
         full_fence()
-        return self.waiting(waiter)
+        return bool(self.words[self.waiter_words[waiter]])
 
     def handed_back(self, slots: Any) -> list[int]:
         """Those of ``slots`` whose worker is done with them (READY or STALE)."""
@@ -330,9 +334,10 @@ class StagingRing:
         """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
         ``state`` ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows written into it),
         stored last."""
-        self.set(slot, W_GENERATION, generation)
-        self.set(slot, W_OWNER, owner)
-        self.set_state(slot, state)
+        words = self.words
+        words[self.generation_words[slot]] = generation
+        words[self.owner_words[slot]] = owner
+        words[self.state_words[slot]] = state
 
     def free(self, slot: int, generation: int | None = None) -> None:
         """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
