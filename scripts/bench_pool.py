@@ -2,6 +2,8 @@
 """Sampler-pool benchmark: what the learner pays per batch, and what the pool buys a training loop.
 
 In one run, on the same buffers (ratios are measured side by side; this machine is noisy):
+  0. the learner's time inside ``pool.next()`` with a 5 ms train step (sleep) between batches,
+     p50/p99, 1 and 4 workers (``--base DIR``: beside the same in a checkout of another commit);
   1. learner-side seconds per batch: ``pool.next()`` against in-process ``buf.sample()``;
   2. a training loop whose train step takes as long as one in-process sample: batches/s with the
      pool against in-process sampling;
@@ -67,6 +69,92 @@ def learner_cost(buf: ReplayBuffer, batch: int, workers: int, n: int) -> dict[st
         # before each call a "train step", long enough for the workers to refill the ring
         t_next = median_seconds(pool.next, n, before=lambda: busy(2 * t_sample))
     return {"in_process_s": t_sample, "pool_next_s": t_next, "ratio": t_next / t_sample}
+
+
+def sleep_wake(buf: ReplayBuffer, batch: int, workers: int, n: int,
+               pause: float = 0.005) -> dict[str, float]:
+    """(0) The learner's time inside next() when a train step (a sleep of ``pause``) separates
+    the batches: the learner wakes cold, the workers have refilled the ring meanwhile."""
+    times = []
+    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+        for _ in range(2 * workers + 2):
+            pool.next()
+        for _ in range(n):
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            pool.next()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"p50_s": times[len(times) // 2], "p99_s": times[min(len(times) - 1, len(times) * 99 // 100)]}
+
+
+def measure_once(kind: str, workers: int, n: int, quick: bool) -> dict[str, float]:
+    """One round of a section that ``--base`` compares, on atari B=256: ``sleep-wake`` (0), or
+    ``back-to-back`` (1: ``pool.next()`` when the ring has refilled, no sleep in between)."""
+    with filled_buffer("atari", 2000 if quick else 20_000) as buf:
+        if kind == "sleep-wake":
+            return sleep_wake(buf, 256, workers, n)
+        return {"next_s": learner_cost(buf, 256, workers, n)["pool_next_s"]}
+
+
+def cold_wake_calibration(n: int, pause: float = 0.005) -> dict[str, float]:
+    """(0)'s yardstick: a fixed pure-Python loop (about 2.6 us warm on a quick core) timed
+    back to back, and right after a sleep of ``pause``: what waking cold costs here."""
+    def loop() -> None:
+        x = 0
+        for i in range(140):
+            x += i
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        loop()
+        return time.perf_counter() - t0
+
+    warm = sorted(timed() for _ in range(n))
+    cold = []
+    for _ in range(n):
+        time.sleep(pause)
+        cold.append(timed())
+    cold.sort()
+    return {"warm_p50_s": warm[len(warm) // 2], "p50_s": cold[len(cold) // 2],
+            "p99_s": cold[min(len(cold) - 1, len(cold) * 99 // 100)]}
+
+
+def sleep_wake_rounds(workers: int, n: int, rounds: int, quick: bool) -> dict[str, float]:
+    """Medians over ``rounds`` of ``sleep_wake`` on atari B=256."""
+    runs = [measure_once("sleep-wake", workers, n, quick) for _ in range(rounds)]
+    return {k: statistics.median(r[k] for r in runs) for k in ("p50_s", "p99_s")}
+
+
+def compare_with_base(base: str, kind: str, n: int, rounds: int, quick: bool
+                      ) -> list[dict[str, Any]]:
+    """``kind`` (see ``measure_once``) here and in ``base`` (a checkout, e.g. a git worktree of
+    the base commit), 1 and 4 workers: each round runs both in fresh subprocesses importing
+    shmbuf/workers from their checkout, the order alternating; medians of the rounds."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def one(root: str, workers: int) -> dict[str, float]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--measure-only", kind,
+               "--measure-workers", str(workers), "--calls", str(n)] + (["--quick"] if quick else [])
+        out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": root}, capture_output=True,
+                             text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    rows = []
+    for workers in (1, 4):
+        runs: dict[str, list[dict[str, float]]] = {here: [], base: []}
+        for r in range(rounds):
+            for root in (here, base) if r % 2 == 0 else (base, here):
+                runs[root].append(one(root, workers))
+        row: dict[str, Any] = {"n_workers": workers}
+        for k in runs[here][0]:
+            row[k] = statistics.median(x[k] for x in runs[here])
+            row["base_" + k] = statistics.median(x[k] for x in runs[base])
+        rows.append(row)
+    return rows
 
 
 def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> dict[str, float]:
@@ -230,6 +318,25 @@ def plot(rows: list[dict[str, float]], path: str, title: str) -> str:
     return f"plot written to {path}"
 
 
+def back_to_back_only(base: str | None, n: int, rounds: int, quick: bool) -> int:
+    """``--only back-to-back``: (1) on atari 256 (``learner_cost``), 1 and 4 workers, beside
+    ``base`` if given."""
+    print(f"(1) pool.next() back to back (ring refilled), atari 256, median of {rounds} rounds")
+    if base:
+        rows = compare_with_base(base, "back-to-back", n, rounds, quick)
+    else:
+        rows = [{"n_workers": w, "next_s": statistics.median(
+            measure_once("back-to-back", w, n, quick)["next_s"] for _ in range(rounds))}
+            for w in (1, 4)]
+    for r in rows:
+        line = f"    {r['n_workers']} worker(s): next() {r['next_s'] * 1e6:6.1f} us"
+        if "base_next_s" in r:
+            line += (f" | base {r['base_next_s'] * 1e6:6.1f} us | after/before "
+                     f"{r['next_s'] / r['base_next_s']:.2f}")
+        print(line)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     run_options = benchlib.add_run_options(
@@ -238,7 +345,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="workers for 1, 2, 4 (default: cores)")
     p.add_argument("--max-workers", type=int, default=None, help="(3) up to this many workers")
     p.add_argument("--plot", default="bench-out/pool_scaling.png")
+    p.add_argument("--base", default=None,
+                   help="(0) also measure this checkout (e.g. a worktree of the base commit)")
+    p.add_argument("--only", choices=["sleep-wake", "back-to-back"], default=None,
+                   help="run only (0), or only (1) on atari 256 with 1 and 4 workers (the "
+                        "sections --base compares)")
+    p.add_argument("--measure-only", choices=["sleep-wake", "back-to-back"],
+                   help=argparse.SUPPRESS)
+    p.add_argument("--measure-workers", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--calls", type=int, default=None, help="(0) next() calls per round")
     args = p.parse_args(argv)
+    if args.measure_only is not None:  # a --base subprocess: one round, JSON out
+        import json
+        print(json.dumps(measure_once(args.measure_only, args.measure_workers,
+                                      args.calls, args.quick)))
+        return 0
     rounds, secs = run_options(args)
     cores = os.cpu_count() or 2
     workers = args.workers or cores
@@ -253,7 +374,38 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"bench_pool: {workers} workers{' (quick)' if quick else ''}, {rounds} round(s) of "
           f"{secs:g} s\n{benchlib.machine_line(info)}\n")
-    print("(1) learner-side cost per batch: pool.next() vs in-process buf.sample()")
+    if args.only == "back-to-back":
+        return back_to_back_only(args.base, n_calls, rounds, quick)
+    n_sw = args.calls or (50 if quick else 400)
+    print("(0) learner time inside next() with a 5 ms sleep (train step) between batches, "
+          f"atari 256 (median of {rounds} rounds of {n_sw} calls)")
+    cold = cold_wake_calibration(n_sw)
+    results["cold_wake"] = cold
+    print(f"    calibration: a {cold['warm_p50_s'] * 1e6:.1f} us pure-Python loop takes "
+          f"{cold['p50_s'] * 1e6:.1f} us p50, {cold['p99_s'] * 1e6:.1f} us p99 right after a "
+          f"5 ms sleep on this machine (os.getloadavg: {os.getloadavg()[0]:.1f})")
+    if args.base:
+        rows_sw = compare_with_base(args.base, "sleep-wake", n_sw, rounds, quick)
+    else:
+        rows_sw = [{"n_workers": w, **sleep_wake_rounds(w, n_sw, rounds, quick)} for w in (1, 4)]
+    results["sleep_wake"] = rows_sw
+    for r in rows_sw:
+        line = (f"    {r['n_workers']} worker(s): p50 {r['p50_s'] * 1e6:6.1f} us, "
+                f"p99 {r['p99_s'] * 1e6:6.1f} us")
+        if "base_p50_s" in r:
+            line += (f" | base p50 {r['base_p50_s'] * 1e6:6.1f} us, p99 "
+                     f"{r['base_p99_s'] * 1e6:6.1f} us | after/before p50 "
+                     f"{r['p50_s'] / r['base_p50_s']:.2f}, p99 {r['p99_s'] / r['base_p99_s']:.2f}")
+        print(line)
+        verdicts.append((f"sleep/wake next() <= 20 us p50, <= 50 us p99, {r['n_workers']} "
+                         f"worker(s)", r["p50_s"] <= 20e-6 and r["p99_s"] <= 50e-6,
+                         f"p50 {r['p50_s'] * 1e6:.1f} us, p99 {r['p99_s'] * 1e6:.1f} us"))
+    if args.only == "sleep-wake":
+        for name, ok, detail in verdicts:
+            print(f"    {'PASS' if ok else 'MISS'}  {name}: {detail}")
+        return 0
+
+    print("\n(1) learner-side cost per batch: pool.next() vs in-process buf.sample()")
     print(f"    {'workload':<8} {'batch':>5} {'in-process':>12} {'pool next()':>12} {'ratio':>8}")
     results["learner_cost"] = []
     for workload, batch in CASES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -55,6 +56,31 @@ def load_fence() -> None:
     """Order loads before this call before loads after it: the reader's half of
     ``store_fence``. A no-op on x86-64 (loads are not reordered with loads); on aarch64
     ``dmb ishld`` would go here."""
+
+
+_FENCE_LOCK = threading.Lock()
+
+
+def _new_fence_lock() -> None:
+    """A child forked while another thread was inside ``full_fence`` gets a free lock."""
+    global _FENCE_LOCK
+    _FENCE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fence_lock)
+
+
+def full_fence() -> None:
+    """Order every store before this call before every load after it (a StoreLoad barrier),
+    the one order x86-64 does not keep by itself: the "set my flag, then look at yours" of a
+    sleep/wake-up handshake (the staging ring's waiting words) needs it on both sides.
+
+    Taking an uncontended lock is an atomic read-modify-write (``lock cmpxchg`` in glibc's
+    ``sem_wait``/``pthread_mutex_lock``, which CPython's ``Lock`` uses), a full barrier on x86-64
+    (the platforms ``platform_supported`` accepts). About 0.2-0.7 us from Python when warm.
+    """
+    with _FENCE_LOCK:
+        pass
 
 
 def platform_supported(machine: str, pointer_bits: int) -> bool:

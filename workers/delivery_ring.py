@@ -5,6 +5,7 @@ them; the learner takes ready slots as views, hands them back, and supervises th
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import warnings
 from typing import Any
@@ -18,12 +19,24 @@ from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
 from .delivery import Delivery, PoolParts
 from .device import DeviceStage
-from .sampler_proc import OP_FILL, OP_GATHER, OP_READY, OP_STALE, SamplerConfig, sampler_main
+from .sampler_proc import OP_WAKE, SamplerConfig, sampler_main
 from .selection import Rows
-from .staging import HELD, W_STATE, StagingRing, counts_deliveries, slot_arrays, write_rows
+from .staging import (
+    ASSIGNED,
+    ASSIGNED_ROWS,
+    HELD,
+    LEARNER,
+    READY,
+    StagingRing,
+    counts_deliveries,
+    slot_arrays,
+    write_rows,
+)
 from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
+# While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
+CHECK_EVERY = 0.25
 
 # Staging rings a device may still be reading when their pool closed: kept mapped until exit.
 _IN_FLIGHT_RINGS: list[StagingRing] = []
@@ -43,9 +56,50 @@ class _WorkerHandle(Child):
         self.startup_failures = 0
         self.batches = 0
 
+    def hand_over(self, ring: StagingRing, slot: int, generation: int, state: int) -> None:
+        """Assign ``slot`` to this worker (its STATE word stored last); a message wakes the
+        process only if it waits (the handshake of ``staging``)."""
+        self.assigned[slot] = None
+        ring.assign(slot, self.wid, generation, state)
+        if ring.wake_needed(1 + self.wid):
+            try:
+                self.send(OP_WAKE, slot, generation)
+            except OSError:
+                pass  # it died; its sentinel will say so and the slot is reclaimed then
+
+    def end_if_starting(self) -> None:
+        """Terminate the process if it has not said HELLO yet: it has nothing to finish."""
+        if not self.hello and self.alive:
+            self.proc.terminate()
+
     def stats(self) -> dict[str, Any]:
         return {"id": self.wid, "pid": self.proc.pid if self.proc else None, "alive": self.alive,
                 "batches": self.batches}
+
+
+class ReadySlots:
+    """Filled slots as they came; with ``ordered``, taken in the order they were assigned."""
+
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+        self.ready: collections.deque[int] = collections.deque()
+        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
+
+    def __len__(self) -> int:
+        return len(self.ready)
+
+    def append(self, slot: int) -> None:
+        self.ready.append(slot)
+
+    def pop(self) -> int | None:
+        """The next slot to deliver, if it is ready."""
+        if self.ordered:  # the oldest assignment first, once it is ready
+            if not self.order or self.order[0] not in self.ready:
+                return None
+            slot = self.order.popleft()
+            self.ready.remove(slot)
+            return slot
+        return self.ready.popleft() if self.ready else None
 
 
 class RingDelivery(Delivery):
@@ -53,10 +107,12 @@ class RingDelivery(Delivery):
     READY, the worker's) -> HELD -> back to its worker.
 
     Concurrency: the learner (this process) owns the staging segment and writes a slot's control
-    words while it holds the slot; the worker writes them (and the slot's data) between FILL
-    and READY. A worker that dies mid-fill has its slots reclaimed (generation bumped) and is
-    restarted within the budget; a half-filled slot is never delivered. Workers exit by
-    themselves when the learner dies (their channel reaches end-of-file).
+    words while it holds the slot; the worker writes them (and the slot's data) between
+    ASSIGNED and READY. Hand-overs are STATE word stores, wake-ups only by the handshake of
+    ``staging`` (no system call while batches are ready, but a ``poll`` for messages and deaths
+    every ``CHECK_EVERY`` s). A worker that dies mid-fill has its slots reclaimed (generation
+    bumped) and is restarted within the budget; a half-filled slot is never READY, so never
+    delivered. Workers exit by themselves when the learner dies.
     """
 
     def __init__(self, parts: PoolParts, ctx: Any) -> None:
@@ -67,8 +123,9 @@ class RingDelivery(Delivery):
         self.ring: StagingRing | None = None  # None until started, and once closed
         self.slot_rows: dict[int, Rows] = {}  # learner-selected rows of each assigned slot
         self.waiting: list[int] = []  # slots with no rows to select yet
-        self.ready: collections.deque[int] = collections.deque()  # filled slots, as they came
-        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
+        self.ready = ReadySlots(parts.cfg.ordered)
+        self.tickets = itertools.count(1)  # generations, one count for all: assignment order
+        self.next_check = 0.0  # monotonic time of the next look at messages and deaths
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -81,7 +138,7 @@ class RingDelivery(Delivery):
         worker_cfg = SamplerConfig(
             buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
             out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
-            rate_limited=cfg.limit is not None, plan=self.compiled.plan,
+            rate_limited=cfg.limit is not None, n_workers=cfg.n_workers, plan=self.compiled.plan,
             priority_table=table.name if (table := self.selection.draws_from) else None,
         )
         self.cfg_bytes = cloudpickle.dumps(worker_cfg)
@@ -105,7 +162,7 @@ class RingDelivery(Delivery):
         return self._live_ring().slot(slot)
 
     def mark_held(self, slot: int) -> None:
-        self._live_ring().set(slot, W_STATE, HELD)
+        self._live_ring().set_state(slot, HELD)
 
     def workers(self) -> list[_WorkerHandle]:
         return self.children.children
@@ -139,8 +196,13 @@ class RingDelivery(Delivery):
     # -- taking batches ---------------------------------------------------------------------------
     @counts_deliveries
     def next(self, timeout: float, step: int) -> Batch:
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
+        self._collect()
         self.occupancy_sum += len(self.ready) / self.cfg.n_staging
+        if now >= self.next_check:  # ready slots kept coming: still notice deaths and errors
+            self.next_check = now + CHECK_EVERY
+            self._poll(0)
         while True:
             if self.failure is not None:
                 raise self.failure
@@ -150,7 +212,7 @@ class RingDelivery(Delivery):
                 if len(self.stage):
                     return self.hold_device(self.stage)
             else:
-                slot = self._pop_ready()
+                slot = self.ready.pop()
                 if slot is not None:
                     return self.hold(slot, step)
             if self.waiting:
@@ -162,16 +224,29 @@ class RingDelivery(Delivery):
             quick = self.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
-            self._poll(min(remaining, pause))
+            with self._live_ring().sleeping(LEARNER):  # the handshake of ``staging``
+                if not self._collect():
+                    self._poll(min(remaining, pause))
+                    self._collect()
+            self.next_check = time.monotonic() + CHECK_EVERY
 
-    def _pop_ready(self) -> int | None:
-        if self.cfg.ordered:  # the oldest assignment first, once it is ready
-            if not self.order or self.order[0] not in self.ready:
-                return None
-            slot = self.order.popleft()
-            self.ready.remove(slot)
-            return slot
-        return self.ready.popleft() if self.ready else None
+    def _collect(self) -> int:
+        """Take up the slots workers handed back (READY, or STALE: learner-selected rows were
+        overwritten before the gather) from their STATE words; how many."""
+        ring, found = self.ring, 0
+        for w in self.children.children if ring is not None else ():
+            for slot in ring.handed_back(w.assigned) if w.assigned else ():  # type: ignore[union-attr]
+                found += 1
+                del w.assigned[slot]
+                if ring.state(slot) == READY:  # type: ignore[union-attr]
+                    self.ready.append(slot)
+                    w.batches += 1
+                    self.selection.gathered(slot)
+                else:
+                    self.selection.stale(self.slot_rows.pop(slot))
+                    self.selection.gathered(slot)
+                    self._assign(w, slot, requeue=False)
+        return found
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
@@ -190,7 +265,7 @@ class RingDelivery(Delivery):
         """Copy ready slots to the device while device buffers are free; each slot goes back to
         the workers once its copy has completed."""
         while stage.can_submit():
-            slot = self._pop_ready()
+            slot = self.ready.pop()
             if slot is None:
                 return
             self.submit_slot(stage, slot, step)
@@ -214,12 +289,11 @@ class RingDelivery(Delivery):
                 self._assign(self._worker_of(slot), slot)
 
     def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
-        """Hand ``slot`` to ``w``: to sample (``FILL``), or with learner-selected rows written
-        into it (``GATHER``). Rows already selected for the slot are kept: after a worker death
-        the same rows are gathered again, so queue mode still delivers each exactly once."""
+        """Hand ``slot`` to ``w`` (ASSIGNED), or with learner-selected rows in it (ASSIGNED_ROWS;
+        kept after a worker death: queue mode still delivers each row exactly once)."""
         ring = self.ring
         assert ring is not None
-        op = OP_FILL
+        state = ASSIGNED
         if self.selection.learner_selects:
             rows = self.slot_rows.get(slot)
             if rows is None:
@@ -228,22 +302,17 @@ class RingDelivery(Delivery):
                 if rows is None:  # nothing to select now: retried from next()
                     ring.free(slot)
                     self.waiting.append(slot)
-                    if slot in self.order:  # it gets a new place once it has rows again
-                        self.order.remove(slot)
+                    if slot in self.ready.order:  # a new place once it has rows again
+                        self.ready.order.remove(slot)
                     return
                 self.slot_rows[slot] = rows
                 self.selection.track(slot, rows)
             write_rows(ring.slot(slot), *rows)
-            op = OP_GATHER
-        self.gen[slot] += 1
-        ring.assign(slot, w.wid, self.gen[slot])
-        w.assigned[slot] = None
+            state = ASSIGNED_ROWS
+        self.gen[slot] = next(self.tickets)
         if requeue and self.cfg.ordered:
-            self.order.append(slot)  # (a slot handed out again keeps its place)
-        try:
-            w.send(op, slot, self.gen[slot])
-        except OSError:
-            pass  # it died; its sentinel will say so and the slot is reclaimed then
+            self.ready.order.append(slot)  # (a slot handed out again keeps its place)
+        w.hand_over(ring, slot, self.gen[slot], state)
 
     def _retry_waiting(self) -> None:
         for slot in self.waiting[:]:
@@ -262,21 +331,9 @@ class RingDelivery(Delivery):
             self._assign(w, s, requeue=False)
 
     def _receive(self, w: _WorkerHandle) -> None:
-        """Take every message ``w`` has sent (its death, if any, is the sentinel's business)."""
-        for op, slot, gen, text in w.receive():
-            if op == OP_READY:
-                if slot in w.assigned and gen == self.gen[slot]:
-                    w.assigned.pop(slot, None)
-                    self.ready.append(slot)
-                    w.batches += 1
-                    self.selection.gathered(slot)
-            elif op == OP_STALE:  # learner-selected rows were overwritten before the gather
-                if slot in w.assigned and gen == self.gen[slot]:
-                    w.assigned.pop(slot, None)
-                    self.selection.stale(self.slot_rows.pop(slot))
-                    self.selection.gathered(slot)
-                    self._assign(w, slot, requeue=False)
-            elif op == OP_HELLO:
+        """Take ``w``'s messages (OP_READY only woke us: ``_collect`` reads the states)."""
+        for op, _slot, _gen, text in w.receive():
+            if op == OP_HELLO:
                 w.hello = True
                 w.startup_failures = 0
             elif op == OP_ERROR:
@@ -288,6 +345,7 @@ class RingDelivery(Delivery):
     def _on_exit(self, w: _WorkerHandle) -> None:
         """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
         self._receive(w)
+        self._collect()  # what it finished (READY after its last byte) is delivered
         if self.failure is not None:
             return
         children, ring = self.children, self._live_ring()
@@ -295,7 +353,7 @@ class RingDelivery(Delivery):
         pid, how = w.proc.pid, w.describe_exit()
         lost = list(w.assigned)
         for s in lost:  # half-filled or never started: nobody writes them any more
-            self.gen[s] += 1
+            self.gen[s] = next(self.tickets)
             ring.free(s, self.gen[s])
         w.assigned.clear()
         if not w.hello and self_inflicted(w.proc.exitcode):
@@ -323,6 +381,11 @@ class RingDelivery(Delivery):
 
     # -- teardown ---------------------------------------------------------------------------------
     def stop(self, timeout: float) -> None:
+        """Ask the workers to stop. One still starting (no HELLO) has nothing to finish: it is
+        terminated at once rather than waited for (so a young spawn pool closes promptly)."""
+        for w in self.workers():
+            self._receive(w)
+            w.end_if_starting()
         self.children.stop(timeout)
 
     def close(self, settled: bool, timeout: float) -> None:

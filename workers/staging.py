@@ -6,8 +6,11 @@ Layout after the common shmbuf header page (see ``shmbuf.layout``):
   batches delivered, learner wait ns, worker restarts, worker count), stored
   only by the learner (``PoolStats``), read by ``shmbuf top`` from another process.
 - slot control: ``CONTROL_LINES`` 64-byte lines per slot, one u64 per line: ``STATE`` (FREE,
-  ASSIGNED, FILLING, READY, HELD), ``OWNER`` (worker id or -1), ``GENERATION`` (bumped every time
-  the slot is recycled or reclaimed), ``SEQ`` (which batch of its worker it holds).
+  ASSIGNED, FILLING, READY, HELD, ASSIGNED_ROWS, STALE), ``OWNER`` (worker id or -1),
+  ``GENERATION`` (a new, larger value every time the slot is handed out or reclaimed: the order
+  in which slots were assigned), ``SEQ`` (which batch of its worker it holds); then one line per
+  waiter (the learner, then each worker): 1 while that process is about to block or blocked on
+  its channel, else 0 (see ``RingDelivery`` for the wake-up protocol).
 - per-slot data, each slot starting on a page: every array ``[B, *shape]`` 64-byte aligned, in the
   order of the layout document (fields, then ``_indices``, ``_lanes``, ``_weights``...).
 
@@ -16,16 +19,31 @@ indices, ``STATE_NAMES``) lets readers that do not import ``workers`` (``shmbuf 
 the slot states.
 
 Concurrency: a slot's words and data are written only by whoever holds the slot, and ownership
-moves by message (learner -> worker: "fill slot s"; worker -> learner: "slot s is ready"), so no
-word ever has two writers. The learner (the owner of this segment) reclaims a slot from a worker
-only after that worker's process is gone.
+moves by the store of its STATE word, the last store of a hand-over (learner -> worker:
+ASSIGNED/ASSIGNED_ROWS; worker -> learner: READY/STALE), so no word ever has two writers and a
+reader that sees the new state also sees every byte written before it (x86-64 keeps stores in
+order, and loads in order). A hand-over costs no system call; only a side about to sleep needs
+a message, by this handshake on its waiting word (written only by its waiter): the sleeper
+stores waiting=1, ``full_fence()``, reads the slot states again and blocks on its channel only
+if still nothing is there (``sleeping``); the other side stores the slot's state,
+``full_fence()``, reads the waiting word and sends a wake-up only if it is 1 (``wake_needed``).
+The fences forbid the one reordering x86-64 allows (a later load passing an earlier store), so
+at least one side sees the other's store: either the sleeper's second look finds the state, or
+the waker sends. A wake-up sent between that look and the block is not lost either: it waits in
+the socket and the block (``poll``) returns at once. An extra one is harmless (the states say
+what to do; it is read and dropped later), and a side waits for other reasons (deaths, fences,
+rows to select, liveness) only with a timeout. A dead worker's waiting word may stay 1: its
+restarted process then gets wake-ups it did not need, until its own ``sleeping`` clears the
+word. The learner (the owner of this segment) reclaims a slot from a worker only after that
+worker's process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,9 +53,15 @@ from shmbuf import layout as L
 from shmbuf.errors import ClosedError
 from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
+from shmbuf.slots import full_fence
 
 FREE, ASSIGNED, FILLING, READY, HELD = range(5)
-STATE_NAMES = ("free", "assigned", "filling", "ready", "held")  # by state value
+ASSIGNED_ROWS = 5  # assigned with the rows to gather written into its index arrays
+STALE = 6  # a row to gather was overwritten before it was read: nothing delivered
+STATE_NAMES = ("free", "assigned", "filling", "ready", "held", "gathering", "stale")  # by value
+HANDED_BACK = (READY, STALE)  # what the learner takes up
+WORKER_STATES = (ASSIGNED, ASSIGNED_ROWS)  # what a worker takes up
+LEARNER = 0  # waiter line of the learner; worker ``w`` has line ``1 + w``
 
 W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
 CONTROL_LINES = 4
@@ -95,6 +119,8 @@ class StagingLayout:
     n_slots: int
     header_size: int
     control_offset: int
+    waiter_offset: int
+    n_waiters: int
     data_offset: int
     slot_stride: int
     arrays: tuple[SlotArray, ...]
@@ -105,16 +131,22 @@ class StagingLayout:
         """Index into the segment's int64 word view of ``word`` of ``slot``."""
         return (self.control_offset + (slot * CONTROL_LINES + word) * LINE) // 8
 
+    def waiter_word(self, waiter: int) -> int:
+        """Index into the int64 word view of ``waiter``'s waiting word."""
+        return (self.waiter_offset + waiter * LINE) // 8
+
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_stride
 
 
 def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
-                   json_len: int) -> StagingLayout:
-    """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch)."""
+                   json_len: int, n_waiters: int = 1) -> StagingLayout:
+    """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch),
+    and ``n_waiters`` waiting words (the learner and its workers)."""
     header = header_size(json_len)
     control = header + L.STAGING_STATS_LINES * LINE
-    data = align(control + n_slots * CONTROL_LINES * LINE, PAGE)
+    waiters = control + n_slots * CONTROL_LINES * LINE
+    data = align(waiters + n_waiters * LINE, PAGE)
     offset = 0
     out = []
     for name, shape, dtype in arrays:
@@ -122,7 +154,7 @@ def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
         out.append(arr)
         offset = align(offset + arr.nbytes)
     stride = align(max(offset, 1), PAGE)
-    return StagingLayout(n_slots, header, control, data, stride, tuple(out),
+    return StagingLayout(n_slots, header, control, waiters, n_waiters, data, stride, tuple(out),
                          data + n_slots * stride, stats_offset=header)
 
 
@@ -179,13 +211,22 @@ class StagingRing:
     def __init__(self, segment: Segment) -> None:
         doc = segment.header.doc
         arrays = [(a["name"], tuple(a["shape"]), a["dtype"]) for a in doc["arrays"]]
-        self.layout = staging_layout(arrays, int(doc["n_slots"]), len(encode_layout(doc)))
+        self.layout = staging_layout(arrays, int(doc["n_slots"]), len(encode_layout(doc)),
+                                     int(doc.get("n_waiters", 1)))
         self.seg = segment
         mm = segment.buf
         if mm is None:
             raise ClosedError(f"staging segment {segment.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         self.stats = PoolStats(self.words, self.layout.stats_offset)
+        # Word indices of each slot's STATE and GENERATION, for the per-batch reads.
+        # Word indices of each slot's STATE, OWNER and GENERATION and of each waiting word, for
+        # the per-batch reads and stores.
+        lay = self.layout
+        self.state_words = [lay.word(s, W_STATE) for s in range(lay.n_slots)]
+        self.owner_words = [lay.word(s, W_OWNER) for s in range(lay.n_slots)]
+        self.generation_words = [lay.word(s, W_GENERATION) for s in range(lay.n_slots)]
+        self.waiter_words = [lay.waiter_word(w) for w in range(lay.n_waiters)]
         self._slots: list[dict[str, np.ndarray]] = []
         for s in range(self.layout.n_slots):
             base = self.layout.slot_offset(s)
@@ -203,10 +244,12 @@ class StagingRing:
     def create(cls, arrays: list[ArraySpec], n_slots: int, meta: dict[str, Any],
                n_workers: int = 0) -> StagingRing:
         """A new ring of ``n_slots`` slots of ``arrays`` (``slot_arrays``) filled by
-        ``n_workers`` workers; weights start at 1."""
+        ``n_workers`` workers, with waiting words for the learner and each worker; weights
+        start at 1."""
         doc = {
             "kind": "staging",
             "n_slots": n_slots,
+            "n_waiters": 1 + n_workers,
             "slot_control": {"lines": CONTROL_LINES, "state": W_STATE, "owner": W_OWNER,
                              "states": list(STATE_NAMES)},
             "arrays": [
@@ -217,7 +260,7 @@ class StagingRing:
         }
 
         def size_of(json_len: int) -> int:
-            return staging_layout(arrays, n_slots, json_len).total_size
+            return staging_layout(arrays, n_slots, json_len, 1 + n_workers).total_size
 
         ring = cls(Segment.create(None, KIND_STAGING, doc, size_of))
         for s in range(n_slots):
@@ -248,11 +291,53 @@ class StagingRing:
     def set(self, slot: int, word: int, value: int) -> None:
         self.words[self.layout.word(slot, word)] = value
 
-    def assign(self, slot: int, owner: int, generation: int) -> None:
-        """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it)."""
-        self.set(slot, W_GENERATION, generation)
-        self.set(slot, W_OWNER, owner)
-        self.set(slot, W_STATE, ASSIGNED)
+    def state(self, slot: int) -> int:
+        return self.words[self.state_words[slot]]
+
+    def set_state(self, slot: int, state: int) -> None:
+        self.words[self.state_words[slot]] = state
+
+    def generation(self, slot: int) -> int:
+        return self.words[self.generation_words[slot]]
+
+    def waiting(self, waiter: int) -> bool:
+        """Is ``waiter`` (``LEARNER``, or ``1 + worker id``) about to block, or blocked?"""
+        return bool(self.words[self.waiter_words[waiter]])
+
+    def set_waiting(self, waiter: int, waiting: bool) -> None:
+        self.words[self.waiter_words[waiter]] = int(waiting)
+
+    @contextlib.contextmanager
+    def sleeping(self, waiter: int) -> Iterator[None]:
+        """The sleeper's half of the wake-up handshake: inside, ``waiter``'s waiting word is 1
+        and fenced, so look at the slot states once more, then block if still nothing."""
+        self.set_waiting(waiter, True)
+        full_fence()  # the other side then sees "waiting", or this one sees its store
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):  # closed meanwhile by another thread
+                self.set_waiting(waiter, False)
+
+    def wake_needed(self, waiter: int) -> bool:
+        """The waker's half, after storing a slot's state: does ``waiter`` sleep (or is about
+        to) and need a message?"""
+        full_fence()
+        return bool(self.words[self.waiter_words[waiter]])
+
+    def handed_back(self, slots: Any) -> list[int]:
+        """Those of ``slots`` whose worker is done with them (READY or STALE)."""
+        words, index = self.words, self.state_words
+        return [s for s in slots if words[index[s]] in HANDED_BACK]
+
+    def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> None:
+        """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
+        ``state`` ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows written into it),
+        stored last."""
+        words = self.words
+        words[self.generation_words[slot]] = generation
+        words[self.owner_words[slot]] = owner
+        words[self.state_words[slot]] = state
 
     def free(self, slot: int, generation: int | None = None) -> None:
         """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
