@@ -68,9 +68,11 @@ class _WorkerHandle(Child):
                 pass  # it died; its sentinel will say so and the slot is reclaimed then
 
     def end_if_starting(self) -> None:
-        """Terminate the process if it has not said HELLO yet: it has nothing to finish."""
+        """Kill the process if it has not said HELLO yet: it has nothing to finish. SIGKILL,
+        not SIGTERM: a forked child may still run its parent's Python SIGTERM handler, which
+        does not end a start-up sleeping in an unpickle (the close then waited 5 s)."""
         if not self.hello and self.alive:
-            self.proc.terminate()
+            self.proc.kill()
 
     def stats(self) -> dict[str, Any]:
         return {"id": self.wid, "pid": self.proc.pid if self.proc else None, "alive": self.alive,
