@@ -98,6 +98,9 @@ class Delivery:
         self.closing = False
         self.failure: BaseException | None = None
         self.views: list[dict[str, Any]] = []
+        # Per slot, once: (its field views, indices, lanes, weights) as a Batch takes them. A
+        # slot's views never change while the delivery is open, and a Batch only reads its dict.
+        self.batch_views: dict[int, tuple[dict[str, Any], Any, Any, Any]] = {}
         self.gen = [0] * parts.cfg.n_staging
         self.held: Batch | None = None
         self.recent = RecentBatches(parts.buf.lanes)  # update_priorities finds their lanes
@@ -200,13 +203,19 @@ class Delivery:
                  LANES: views[LANES], WEIGHTS: views[WEIGHTS]},
                 copy=self.copies_for_jax, host_keys=(INDICES, LANES))
             self.jax_fence = fence
-        batch = Batch(
-            {n: views[n] for n in self.out_fields}, views[INDICES], views[LANES], views[WEIGHTS],
-            self.release_batch, slot, self.gen[slot],
-            to_fn=self.batch_to if self.cfg.output == "torch" else None, info=info,
-        )
+            fields, indices, lanes, weights = ({n: views[n] for n in self.out_fields},
+                                               views[INDICES], views[LANES], views[WEIGHTS])
+        else:
+            cached = self.batch_views.get(slot)
+            if cached is None:
+                cached = self.batch_views[slot] = (
+                    {n: views[n] for n in self.out_fields}, views[INDICES], views[LANES],
+                    views[WEIGHTS])
+            fields, indices, lanes, weights = cached
+        batch = Batch(fields, indices, lanes, weights, self.release_batch, slot, self.gen[slot],
+                      to_fn=self.batch_to if self.cfg.output == "torch" else None, info=info)
         if self.weighted:
-            self.recent.add(views[INDICES], np.array(views[LANES]))
+            self.recent.add(indices, np.array(lanes))
         self.held = batch
         return batch
 
@@ -224,7 +233,8 @@ class Delivery:
         if self.pinned is not None and self.backend is not None:
             # A copy the learner issued on its current stream may still be reading the slot.
             self.fences.add(batch.slot, self.backend.record_current())
-        self.release_jax(batch.slot)
+        if self.jax_fence is not None:
+            self.release_jax(batch.slot)
         self.slot_done(batch.slot)
 
     def release_jax(self, slot: int) -> None:
@@ -361,3 +371,4 @@ class Delivery:
             torch.cuda.cudart().cudaHostUnregister(ptr)
             self.pinned = None
         self.views = []
+        self.batch_views.clear()

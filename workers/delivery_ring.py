@@ -60,8 +60,7 @@ class _WorkerHandle(Child):
         """Assign ``slot`` to this worker (its STATE word stored last); a message wakes the
         process only if it waits (the handshake of ``staging``)."""
         self.assigned[slot] = None
-        ring.assign(slot, self.wid, generation, state)
-        if ring.wake_needed(1 + self.wid):
+        if ring.assign(slot, self.wid, generation, state):
             try:
                 self.send(OP_WAKE, slot, generation)
             except OSError:
@@ -208,7 +207,8 @@ class RingDelivery(Delivery):
         while True:
             if self.failure is not None:
                 raise self.failure
-            self._reap_fences()
+            if len(self.fences):
+                self._reap_fences()
             if self.stage is not None:
                 self._submit_ready(self.stage, step)
                 if len(self.stage):
@@ -276,11 +276,12 @@ class RingDelivery(Delivery):
     # -- giving slots back ------------------------------------------------------------------------
     def slot_done(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
-        self.slot_rows.pop(slot, None)
+        if self.slot_rows:
+            self.slot_rows.pop(slot, None)
         if self.closing or self.ring is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
-            self._assign(self._worker_of(slot), slot)
+            self._assign(self.children.children[slot % self.cfg.n_workers], slot)
 
     def _reap_fences(self) -> None:
         """Hand back to the workers every slot whose device copies have completed."""

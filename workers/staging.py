@@ -330,14 +330,17 @@ class StagingRing:
         words, index = self.words, self.state_words
         return [s for s in slots if words[index[s]] in HANDED_BACK]
 
-    def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> None:
+    def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> bool:
         """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
         ``state`` ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows written into it),
-        stored last."""
+        stored last. Then the waker's half of the handshake (``wake_needed(1 + owner)``, in
+        this one call): True if the worker sleeps, or is about to, and needs a message."""
         words = self.words
         words[self.generation_words[slot]] = generation
         words[self.owner_words[slot]] = owner
         words[self.state_words[slot]] = state
+        full_fence()
+        return bool(words[self.waiter_words[1 + owner]])
 
     def free(self, slot: int, generation: int | None = None) -> None:
         """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
