@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from shmbuf.errors import ClosedError
 from tests import pool_procs as procs
 from workers import SamplerPool, delivery_ring
 from workers.staging import FILLING, HELD, LEARNER, READY, StagingRing, slot_arrays
@@ -283,3 +284,36 @@ def test_strace_sees_no_system_call_in_next_over_ready_slots(tmp_path):
     end = next(i for i, line in enumerate(lines) if "shmbuf-ready-path-end" in line)
     between = lines[begin + 1:end]
     assert between == [], "system calls in next() over READY slots:\n" + "\n".join(between)
+
+
+def test_assign_stores_the_slot_then_says_whether_its_worker_waits():
+    """The learner's hand-over (``StagingRing.assign``) stores generation, owner and state, and
+    answers the waker's half of the handshake for that worker: True only while it sleeps."""
+    arrays = slot_arrays([("x", (2,), "float32")], 4, ())
+    ring = StagingRing.create(arrays, 3, {}, n_workers=2)
+    try:
+        assert ring.assign(0, 1, 7) is False
+        assert (ring.generation(0), ring.state(0)) == (7, delivery_ring.ASSIGNED)
+        with ring.sleeping(1 + 1):  # worker 1 blocks
+            assert ring.assign(1, 1, 8) is True
+            assert ring.assign(2, 0, 9) is False  # worker 0 is awake
+        assert ring.assign(1, 1, 10) is False
+    finally:
+        ring.close()
+
+
+def test_batches_of_one_slot_share_its_views_but_not_their_validity():
+    """Per-slot views are built once: a later batch of the same slot views the same memory, and
+    the earlier batch stays released (``ClosedError``), its arrays untouched by the reuse."""
+    with procs.new_buffer(capacity=64, lanes=2) as buf, \
+            SamplerPool(buf, batch_size=4, n_workers=0, seed=0) as pool:
+        first = pool.next()
+        keys = sorted(first)
+        kept = {k: first[k] for k in keys}
+        second = pool.next()
+        assert first.released and second.slot == first.slot
+        with pytest.raises(ClosedError, match="released"):
+            first[keys[0]]
+        assert sorted(second) == keys
+        for k in keys:
+            assert second[k] is kept[k]  # the same slot's view object, built once

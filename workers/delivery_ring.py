@@ -207,8 +207,7 @@ class RingDelivery(Delivery):
         while True:
             if self.failure is not None:
                 raise self.failure
-            if len(self.fences):
-                self._reap_fences()
+            self._reap_fences()
             if self.stage is not None:
                 self._submit_ready(self.stage, step)
                 if len(self.stage):
@@ -276,8 +275,7 @@ class RingDelivery(Delivery):
     # -- giving slots back ------------------------------------------------------------------------
     def slot_done(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
-        if self.slot_rows:
-            self.slot_rows.pop(slot, None)
+        self.slot_rows.pop(slot, None)
         if self.closing or self.ring is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
