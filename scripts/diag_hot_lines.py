@@ -30,6 +30,7 @@ from bench_storage import KEEPUP_BATCH, KEEPUP_CAPACITY, WORKLOADS, cpu_seconds_
 import benchlib
 from shmbuf import ReplayBuffer, Spec
 from workers import ActorGroup
+from workers.supervise import stop_process
 
 INNER = 10_000  # touches between looks at the stop event
 
@@ -136,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         if proc is not None:
                             stop.set()
-                            proc.join(10)
-                            if proc.is_alive():
-                                proc.kill()
-                                proc.join()
+                            stop_process(proc, 10)
     alone = results["alone"]
     print(f"{wl.name}, capacity {capacity:,}: the actor's add() rate with one other process "
           f"(median of {args.rounds} rounds; ratios to alone, median of per-round ratios)")

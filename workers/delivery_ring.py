@@ -92,6 +92,16 @@ class ReadySlots:
     def append(self, slot: int) -> None:
         self.ready.append(slot)
 
+    def assigned(self, slot: int) -> None:
+        """``slot`` was handed out: with ``ordered``, it is delivered after those before it."""
+        if self.ordered:
+            self.order.append(slot)
+
+    def unassigned(self, slot: int) -> None:
+        """``slot`` went back unfilled: it loses its place."""
+        if slot in self.order:
+            self.order.remove(slot)
+
     def pop(self) -> int | None:
         """The next slot to deliver, if it is ready."""
         if self.ordered:  # the oldest assignment first, once it is ready
@@ -279,7 +289,7 @@ class RingDelivery(Delivery):
         if self.closing or self.ring is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
-            self._assign(self.children.children[slot % self.cfg.n_workers], slot)
+            self._assign(self._worker_of(slot), slot)
 
     def _reap_fences(self) -> None:
         """Hand back to the workers every slot whose device copies have completed."""
@@ -303,16 +313,15 @@ class RingDelivery(Delivery):
                 if rows is None:  # nothing to select now: retried from next()
                     ring.free(slot)
                     self.waiting.append(slot)
-                    if slot in self.ready.order:  # a new place once it has rows again
-                        self.ready.order.remove(slot)
+                    self.ready.unassigned(slot)  # a new place once it has rows again
                     return
                 self.slot_rows[slot] = rows
                 self.selection.track(slot, rows)
             write_rows(ring.slot(slot), *rows)
             state = ASSIGNED_ROWS
         self.gen[slot] = next(self.tickets)
-        if requeue and self.cfg.ordered:
-            self.ready.order.append(slot)  # (a slot handed out again keeps its place)
+        if requeue:
+            self.ready.assigned(slot)  # (a slot handed out again keeps its place)
         w.hand_over(ring, slot, self.gen[slot], state)
 
     def _retry_waiting(self) -> None:

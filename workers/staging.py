@@ -219,7 +219,6 @@ class StagingRing:
             raise ClosedError(f"staging segment {segment.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         self.stats = PoolStats(self.words, self.layout.stats_offset)
-        # Word indices of each slot's STATE and GENERATION, for the per-batch reads.
         # Word indices of each slot's STATE, OWNER and GENERATION and of each waiting word, for
         # the per-batch reads and stores.
         lay = self.layout
