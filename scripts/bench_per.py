@@ -5,7 +5,8 @@ In one run, rows of 42 float32, B=256, one update of 256 priorities per batch, i
 (``SamplerPool(sampler="prioritized", n_workers=0)``):
   - quiet: shmbuf against cpprb's ``PrioritizedReplayBuffer`` (sample + update_priorities) on
     100k rows, side by side in rounds (``benchlib.run_rounds``), by wall time and by this
-    process's CPU time per batch (what holds up on a machine shared with other jobs);
+    process's CPU time per batch (what holds up on a machine shared with other jobs); shmbuf
+    twice where its compiled sum tree is built: with it, and with the NumPy walks;
   - scale: time per batch at 100k, 1M and 10M rows (wall and CPU);
   - with sampler workers: the same quiet sample + update with 0, 1 and 2 workers;
   - under load: 2 writer processes (one lane each) adding 64-row chunks at 25k, 100k, 400k
@@ -38,6 +39,7 @@ from per_mp_peer import cpprb_mp_under_load
 import benchlib
 from benchlib import TimedCase
 from shmbuf import ReplayBuffer, Spec
+from shmbuf.sampling import sumtree
 from workers import SamplerPool
 
 ALPHA, BETA, B, COLUMNS, CHUNK = 0.6, 0.4, 256, 42, 64
@@ -114,23 +116,45 @@ def cpu_logged(op: Callable[[], Any], log: list[float]) -> Callable[[int], float
     return run
 
 
+def numpy_walks(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the sum tree's NumPy walks instead of the compiled ones (``_sumtree_c``)."""
+
+    def run() -> None:
+        before = sumtree.use_compiled(False)
+        try:
+            step()
+        finally:
+            sumtree.use_compiled(before)
+
+    return run
+
+
 def quiet(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
+    """shmbuf's learner step (compiled sum tree where built), the same with the NumPy walks,
+    and cpprb's, side by side in rounds: rates (wall) and CPU time per batch."""
     errors = tds(np.random.default_rng(1))
-    cpu: dict[str, list[float]] = {"shmbuf": [], "cpprb_rate": []}
+    cpu: dict[str, list[float]] = {}
     with filled(rows) as buf, prioritized(buf) as pool:
         pool.next()  # the first batch enters every row
-        cases = [TimedCase("shmbuf", cpu_logged(learner_step(pool, errors), cpu["shmbuf"]))]
+        steps: dict[str, Callable[[], None]] = {"shmbuf": learner_step(pool, errors)}
+        if sumtree.compiled():
+            steps["shmbuf_numpy"] = numpy_walks(steps["shmbuf"])
         step, what = cpprb_step(rows, errors)
         if step is not None:
-            cases.append(TimedCase("cpprb_rate", cpu_logged(step, cpu["cpprb_rate"])))
+            steps["cpprb_rate"] = step
+        cases = [TimedCase(name, cpu_logged(op, cpu.setdefault(name, [])))
+                 for name, op in steps.items()]
         benchlib.run_rounds([cases], rounds, seconds, f"quiet {rows} rows")
     out: dict[str, Any] = {c.name: statistics.median(c.rates) for c in cases}
-    out["shmbuf_cpu_us"] = 1e6 * statistics.median(cpu["shmbuf"][-rounds:])
+    out["compiled"] = sumtree.compiled()
+    by_name = {c.name: c for c in cases}
+    for name in steps:
+        out[f"{name.removesuffix('_rate')}_cpu_us"] = 1e6 * statistics.median(cpu[name][-rounds:])
     if step is not None:
-        out["shmbuf/cpprb"] = benchlib.ratio(cases[0], cases[1])["median"]
-        out["cpprb_cpu_us"] = 1e6 * statistics.median(cpu["cpprb_rate"][-rounds:])
-        out["shmbuf/cpprb_cpu"] = statistics.median(
-            b / a for a, b in zip(cpu["shmbuf"][-rounds:], cpu["cpprb_rate"][-rounds:]))
+        for name in [n for n in steps if n.startswith("shmbuf")]:
+            out[f"{name}/cpprb"] = benchlib.ratio(by_name[name], by_name["cpprb_rate"])["median"]
+            out[f"{name}/cpprb_cpu"] = statistics.median(
+                b / a for a, b in zip(cpu[name][-rounds:], cpu["cpprb_rate"][-rounds:]))
     out["cpprb"] = what
     return out
 
@@ -338,13 +362,19 @@ def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> None:
     q = res["quiet"]
-    print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32: shmbuf "
+    walks = "compiled" if q.get("compiled") else "NumPy (the compiled sum tree is not built)"
+    print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32, sum-tree walks {walks}: shmbuf "
           f"{q['shmbuf']:.0f} batches/s" + (f", cpprb {q['cpprb_rate']:.0f}, ratio "
                                             f"{q['shmbuf/cpprb']:.2f}x; CPU per batch "
                                             f"{q['shmbuf_cpu_us']:.0f} / "
                                             f"{q['cpprb_cpu_us']:.0f} us, ratio "
                                             f"{q['shmbuf/cpprb_cpu']:.2f}x"
                                             if "cpprb_rate" in q else f" ({q['cpprb']})"))
+    if "shmbuf_numpy" in q:
+        print(f"  the same with the NumPy walks: {q['shmbuf_numpy']:.0f} batches/s"
+              + (f", ratio {q['shmbuf_numpy/cpprb']:.2f}x cpprb; CPU per batch "
+                 f"{q['shmbuf_numpy_cpu_us']:.0f} us, ratio {q['shmbuf_numpy/cpprb_cpu']:.2f}x"
+                 if "cpprb_rate" in q else ""))
     base = base_cpu = None
     for rows, s in [(k, v) for k, v in res["scale"].items() if not k.endswith("_cpu")]:
         cpu = res["scale"][f"{rows}_cpu"]

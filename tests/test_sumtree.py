@@ -6,7 +6,8 @@ the sum of the leaves, a full rebuild from the leaves reproduces what ``update``
 ``descend`` maps a prefix sum to the leaf ``np.searchsorted`` finds on the cumulative sum, and
 ``sample`` never returns a zero leaf while some leaf is positive. Floating point can still land a descent on a zero leaf (and a
 reader that descends while the learner updates can see a leaf change under it): the last test
-checks that ``PriorityTable.draw`` redraws such leaves instead of delivering them.
+checks that ``PriorityTable.draw`` redraws such leaves instead of delivering them. Each test
+runs with the compiled walks and with the NumPy ones (``backend``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ from shmbuf.sampling import sumtree
 from tests import pool_procs as procs
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["compiled", "numpy"])
+def backend(request):
+    """Every test here runs against both ``sample``/``update`` walks: the compiled one (if it
+    was built) and the NumPy one."""
+    if request.param == "compiled" and sumtree._built is None:
+        pytest.skip("the compiled sum tree (_sumtree_c) was not built")
+    before = sumtree.use_compiled(request.param == "compiled")
+    yield request.param
+    sumtree.use_compiled(before)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

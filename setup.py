@@ -1,0 +1,14 @@
+"""The one thing pyproject.toml cannot say: the optional compiled sum tree.
+
+``shmbuf.sampling._sumtree_c`` speeds up prioritized sampling's per-batch walks. It is built
+when a C compiler and the Python headers are at hand and skipped (``optional=True``) when not:
+``shmbuf.sampling.sumtree`` then runs its NumPy code, which gives the same trees.
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "shmbuf.sampling._sumtree_c", ["shmbuf/sampling/_sumtree_c.c"], optional=True,
+    # No contraction into fused multiply-adds: sums must round as NumPy's do.
+    extra_compile_args=["-O3", "-ffp-contract=off"],
+)])
