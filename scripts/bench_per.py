@@ -146,7 +146,6 @@ def quiet(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
                  for name, op in steps.items()]
         benchlib.run_rounds([cases], rounds, seconds, f"quiet {rows} rows")
     out: dict[str, Any] = {c.name: statistics.median(c.rates) for c in cases}
-    out["compiled"] = sumtree.compiled()
     by_name = {c.name: c for c in cases}
     for name in steps:
         out[f"{name.removesuffix('_rate')}_cpu_us"] = 1e6 * statistics.median(cpu[name][-rounds:])
@@ -160,19 +159,24 @@ def quiet(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
 
 
 def scale(sizes: list[int], seconds: float) -> dict[str, float]:
-    """Seconds per batch at each size (wall; ``<rows>_cpu``: CPU time of this process)."""
+    """Seconds per batch at each size (wall; ``<rows>_cpu``: CPU time of this process), and
+    (``<rows>_uniform``) a uniform learner's ``next()`` on the same buffer, side by side in
+    rounds: how much of the growth is the gather of rows from a larger buffer, not the tree."""
     errors = tds(np.random.default_rng(1))
     out = {}
     for rows in sizes:
-        with filled(rows) as buf, prioritized(buf) as pool:
+        with filled(rows) as buf, prioritized(buf) as pool, SamplerPool(
+                buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
             t0 = time.perf_counter()
             pool.next()
             first = time.perf_counter() - t0
             cpu: list[float] = []
             case = TimedCase(str(rows), cpu_logged(learner_step(pool, errors), cpu))
-            benchlib.run_rounds([[case]], 3, seconds, f"scale {rows} rows")
+            peer = TimedCase(f"{rows}_uniform", benchlib.loop_runner(uniform.next))
+            benchlib.run_rounds([[case, peer]], 3, seconds, f"scale {rows} rows")
             out[str(rows)] = statistics.median(case.secs)
             out[f"{rows}_cpu"] = statistics.median(cpu[-3:])
+            out[f"{rows}_uniform"] = statistics.median(peer.secs)
             print(f"  {rows} rows: first batch (enters every row) {first * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
     return out
@@ -362,7 +366,7 @@ def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> None:
     q = res["quiet"]
-    walks = "compiled" if q.get("compiled") else "NumPy (the compiled sum tree is not built)"
+    walks = "compiled" if res["compiled"] else "NumPy (the compiled sum tree is not built)"
     print(f"quiet, {res['rows']} rows, B={B}, {COLUMNS} float32, sum-tree walks {walks}: shmbuf "
           f"{q['shmbuf']:.0f} batches/s" + (f", cpprb {q['cpprb_rate']:.0f}, ratio "
                                             f"{q['shmbuf/cpprb']:.2f}x; CPU per batch "
@@ -375,12 +379,15 @@ def report(res: dict[str, Any]) -> None:
               + (f", ratio {q['shmbuf_numpy/cpprb']:.2f}x cpprb; CPU per batch "
                  f"{q['shmbuf_numpy_cpu_us']:.0f} us, ratio {q['shmbuf_numpy/cpprb_cpu']:.2f}x"
                  if "cpprb_rate" in q else ""))
-    base = base_cpu = None
-    for rows, s in [(k, v) for k, v in res["scale"].items() if not k.endswith("_cpu")]:
-        cpu = res["scale"][f"{rows}_cpu"]
+    base = base_cpu = base_uniform = None
+    for rows, s in [(k, v) for k, v in res["scale"].items() if k.isdigit()]:
+        cpu, uniform = res["scale"][f"{rows}_cpu"], res["scale"].get(f"{rows}_uniform")
         base, base_cpu = base or s, base_cpu or cpu
+        base_uniform = base_uniform or uniform
         print(f"scale {int(rows):>10,} rows: {s * 1e3:.3f} ms per batch ({s / base:.2f}x), "
-              f"CPU {cpu * 1e3:.3f} ms ({cpu / base_cpu:.2f}x)")
+              f"CPU {cpu * 1e3:.3f} ms ({cpu / base_cpu:.2f}x)"
+              + (f"; uniform next() beside it {uniform * 1e3:.3f} ms ({uniform / base_uniform:.2f}x)"
+                 if uniform and base_uniform else ""))
     if res.get("workers"):
         w = res["workers"]
         print("sample + update with sampler workers (quiet): " + ", ".join(
@@ -429,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     import shmbuf
     res: dict[str, Any] = {"rows": args.rows, "shmbuf": shmbuf.__file__,
                            "machine": benchlib.machine_line(benchlib.machine())}
+    res["compiled"] = sumtree.compiled()
     print(f"shmbuf from {shmbuf.__file__}; {res['machine']}")
     res["quiet"] = quiet(args.rows, args.rounds, seconds) if "quiet" not in skip else {
         "shmbuf": float("nan"), "cpprb": "skipped"}

@@ -20,6 +20,12 @@
 #define FANOUT 16
 #define FANOUT_BITS 4
 #define MAX_LEVELS 32
+/* How many draws ahead a pass over the batch fetches the block it will need: enough to hide
+ * a miss to memory, few enough that the fetches in flight stay within what the core tracks
+ * (fetching a whole level ahead at once was slower on a 10M-row tree: most were dropped). */
+#ifndef AHEAD
+#define AHEAD 16
+#endif
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, char kind,
                       const char *name) {
@@ -74,9 +80,17 @@ static inline double halving_sum(const double *c) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-static inline double smallest(const double *c) {  /* pairwise: no chain of 15 compares */
+static inline double positive_or_inf(double v) { return v > 0 ? v : INFINITY; }
+
+/* The smallest of a block (pairwise: no chain of 15 compares); with positive, of its positive
+ * values (inf for none), which is what the min tree holds above a block of sum-tree leaves. */
+static inline double smallest(const double *c, int positive) {
     double a[8], b[4];
-    for (int i = 0; i < 8; i++) a[i] = c[i + 8] < c[i] ? c[i + 8] : c[i];
+    for (int i = 0; i < 8; i++) {
+        double x = c[i], y = c[i + 8];
+        if (positive) x = positive_or_inf(x), y = positive_or_inf(y);
+        a[i] = y < x ? y : x;
+    }
     for (int i = 0; i < 4; i++) b[i] = a[i + 4] < a[i] ? a[i + 4] : a[i];
     double d0 = b[2] < b[0] ? b[2] : b[0], d1 = b[3] < b[1] ? b[3] : b[1];
     return d1 < d0 ? d1 : d0;
@@ -107,6 +121,25 @@ static inline int pick_child(const double *c, double *x) {
     k |= go;
     *x = v;
     return k;
+}
+
+/* A parent at level + 1 recomputed from its block of children at level (row-relative). Above
+ * the leaves, the min is taken over the sum tree's leaves (the min tree's leaves are their
+ * positive values, as NumPy's update takes it too): the min tree's leaves are only written,
+ * which saves the batch a cache miss per leaf on a large tree. */
+static inline void recompute(double *s, double *m, const geometry *g, Py_ssize_t level,
+                             int64_t parent) {
+    int64_t first = g->offset[level] + (parent << FANOUT_BITS);
+    s[g->offset[level + 1] + parent] = halving_sum(s + first);
+    m[g->offset[level + 1] + parent] = level ? smallest(m + first, 0) : smallest(s + first, 1);
+}
+
+/* Ask for the cache lines of a block of FANOUT doubles (three when a lane's row does not start
+ * on a line). */
+static inline void fetch_block(const double *c) {
+    __builtin_prefetch(c);
+    __builtin_prefetch(c + FANOUT / 2);
+    __builtin_prefetch(c + FANOUT - 1);
 }
 
 /* update(sums, mins, geometry, lanes, leaves, values): set each value (>= 0) at its leaf of its
@@ -155,34 +188,39 @@ static PyObject *update(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    /* Level by level over the whole batch (each level's blocks fetched ahead, so that their
-     * cache misses overlap): first every leaf, in order, then each level's touched parents
-     * from their children, which are final by then. A parent touched twice is recomputed
-     * twice, to the same value. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t base = (lane ? lane[i] : 0) * (int64_t)width;
-        double v = value[i];
-        node[i] = base + leaf[i];
-        s[node[i]] = v;
-        m[node[i]] = v > 0 ? v : INFINITY;
+    /* Level by level over the batch: every leaf, in order, then each level's touched parents
+     * from their children, which are final by then (a parent touched twice is recomputed
+     * twice, to the same value). Each pass fetches the block it will need AHEAD draws later,
+     * so that the cache misses of a large tree overlap. */
+    for (Py_ssize_t i = 0; i < n + AHEAD; i++) {
+        if (i < n) {
+            int64_t base = (lane ? lane[i] : 0) * (int64_t)width;
+            fetch_block(s + base + (leaf[i] & ~(int64_t)(FANOUT - 1)));
+            __builtin_prefetch(m + base + leaf[i], 1);  /* (only written: see recompute) */
+        }
+        Py_ssize_t j = i - AHEAD;
+        if (j >= 0) {
+            int64_t at = (lane ? lane[j] : 0) * (int64_t)width + leaf[j];
+            s[at] = value[j];
+            m[at] = positive_or_inf(value[j]);
+            node[j] = leaf[j];  /* from here: the node's index within its level */
+        }
     }
     for (Py_ssize_t level = 0; level + 1 < g.levels; level++) {
-        int64_t step = g.offset[level + 1] - g.offset[level];
-        for (Py_ssize_t i = 0; i < n; i++) {  /* node[i]: flat position of a child, in level */
-            int64_t first = node[i] & ~(int64_t)(FANOUT - 1);
-            __builtin_prefetch(s + first);
-            __builtin_prefetch(s + first + FANOUT / 2);
-            __builtin_prefetch(m + first);
-            __builtin_prefetch(m + first + FANOUT / 2);
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t base = (lane ? lane[i] : 0) * (int64_t)width;
-            int64_t within = node[i] - base - g.offset[level];
-            int64_t first = base + g.offset[level] + (within & ~(int64_t)(FANOUT - 1));
-            int64_t target = base + g.offset[level] + step + (within >> FANOUT_BITS);
-            s[target] = halving_sum(s + first);
-            m[target] = smallest(m + first);
-            node[i] = target;
+        for (Py_ssize_t i = 0; i < n + AHEAD; i++) {
+            if (i < n && level) {
+                int64_t first = (lane ? lane[i] : 0) * (int64_t)width + g.offset[level] +
+                                ((node[i] >> FANOUT_BITS) << FANOUT_BITS);
+                fetch_block(s + first);
+                fetch_block(m + first);
+            }
+            Py_ssize_t j = i - AHEAD;
+            if (j >= 0) {
+                double *row = s + (lane ? lane[j] : 0) * (int64_t)width;
+                double *mrow = m + (lane ? lane[j] : 0) * (int64_t)width;
+                node[j] >>= FANOUT_BITS;
+                recompute(row, mrow, &g, level, node[j]);
+            }
         }
     }
     Py_END_ALLOW_THREADS
@@ -253,19 +291,18 @@ static PyObject *sample(PyObject *self, PyObject *args) {
         leaf_out[i] = 0;  /* the node reached so far, within its level: the root */
         left[i] = x;  /* what is left of the draw within that node */
     }
-    /* Level by level over the whole batch, each level's blocks fetched ahead so that their
-     * cache misses overlap. */
+    /* Level by level over the batch, each pass fetching the block it will need AHEAD draws
+     * later, so that the cache misses of a large tree overlap. */
     for (Py_ssize_t level = g.levels - 2; level >= 0; level--) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const double *c = s + lane_out[i] * width + g.offset[level] + (leaf_out[i] << FANOUT_BITS);
-            __builtin_prefetch(c);
-            __builtin_prefetch(c + FANOUT / 2);
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const double *c = s + lane_out[i] * width + g.offset[level] + (leaf_out[i] << FANOUT_BITS);
-            int child = pick_child(c, left + i);
-            int64_t node = (leaf_out[i] << FANOUT_BITS) + child;
-            leaf_out[i] = node > g.last[level] ? g.last[level] : node;
+        const double *blocks = s + g.offset[level];
+        for (Py_ssize_t i = 0; i < n + AHEAD; i++) {
+            if (i < n) fetch_block(blocks + lane_out[i] * width + (leaf_out[i] << FANOUT_BITS));
+            Py_ssize_t j = i - AHEAD;
+            if (j >= 0) {
+                const double *c = blocks + lane_out[j] * width + (leaf_out[j] << FANOUT_BITS);
+                int64_t node = (leaf_out[j] << FANOUT_BITS) + pick_child(c, left + j);
+                leaf_out[j] = node > g.last[level] ? g.last[level] : node;
+            }
         }
     }
     Py_END_ALLOW_THREADS
@@ -277,14 +314,6 @@ done:
     if (lanes.obj) PyBuffer_Release(&lanes);
     if (leaves.obj) PyBuffer_Release(&leaves);
     return result;
-}
-
-/* A parent at level + 1 recomputed from its block of children at level (row-relative). */
-static inline void recompute(double *s, double *m, const geometry *g, Py_ssize_t level,
-                             int64_t parent) {
-    int64_t first = g->offset[level] + (parent << FANOUT_BITS);
-    s[g->offset[level + 1] + parent] = halving_sum(s + first);
-    m[g->offset[level + 1] + parent] = smallest(m + first);
 }
 
 /* fill(sums, mins, width, geometry, lane, start, values): set leaves [start, start + n) of lane
@@ -322,7 +351,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
             row[start + i] = value[i];
-            mrow[start + i] = value[i] > 0 ? value[i] : INFINITY;
+            mrow[start + i] = positive_or_inf(value[i]);
         }
         int64_t lo = start, hi = start + n;  /* the run's nodes in the level below, [lo, hi) */
         for (Py_ssize_t level = 0; level + 1 < g.levels; level++) {
