@@ -49,4 +49,4 @@ bench: install
 
 clean:
 	-test -x $(BIN)/shmbuf && $(BIN)/shmbuf gc
-	rm -rf build *.egg-info .pytest_cache .hypothesis bench-out
+	rm -rf build *.egg-info .pytest_cache .hypothesis bench-out shmbuf/sampling/*.so
