@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py shmbuf/sampling/_sumtree_c.c
+$(STAMP): pyproject.toml setup.py shmbuf/sampling/_sumtree_c.c shmbuf/_stream_c.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[test,bench,lint]'
 	touch $(STAMP)
@@ -49,4 +49,4 @@ bench: install
 
 clean:
 	-test -x $(BIN)/shmbuf && $(BIN)/shmbuf gc
-	rm -rf build *.egg-info .pytest_cache .hypothesis bench-out shmbuf/sampling/*.so
+	rm -rf build *.egg-info .pytest_cache .hypothesis bench-out shmbuf/*.so shmbuf/sampling/*.so

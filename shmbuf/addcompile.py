@@ -16,7 +16,17 @@ import numpy as np
 
 from .rowcheck import _MISSING, RowChecker, fast_scalars
 
+stream_rows: Callable[[np.ndarray, int, Any, int], bool] | None
+try:  # optional, built where a compiler was at hand (setup.py): else NumPy stores every row
+    from ._stream_c import store_rows as stream_rows
+except ImportError:
+    stream_rows = None
+
 _compiled: weakref.WeakKeyDictionary[RowChecker, dict[Any, Any]] = weakref.WeakKeyDictionary()
+# Rows of at least this many bytes are stored streaming past the caches (``_stream_c.c``): an
+# Atari frame stack (28 KB) in about half the time of NumPy's copy, which first reads every
+# cache line it writes. Below a few KB a row is better left in the cache it is written to.
+STREAM_MIN_ROW_BYTES = 4096
 
 
 def fast_check(checker: RowChecker, k: int, var: str, one_env: bool = False
@@ -71,11 +81,20 @@ def flat_row_store(field: Any) -> bool:
     return column[n:].tobytes() == row.tobytes()
 
 
+def streams(field: Any) -> bool:
+    """Whether rows of ``field`` (a ``Spec`` field) are stored with ``stream_rows``: large
+    rows of plain numeric dtypes, where the streaming extension was built. A row it cannot
+    take as it is (another dtype, not contiguous) it refuses, and NumPy stores it."""
+    return (stream_rows is not None and field.dtype.kind in "biuf" and field.dtype.isnative
+            and field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES)
+
+
 def row_columns(checker: RowChecker, columns: Sequence[np.ndarray]) -> list[Any]:
     """What a compiled ``add`` stores rows into: a lane's column views, a flat memoryview of
-    each column whose field ``flat_row_store`` (its row s is ``[s*n : s*n+n]``)."""
-    return [memoryview(col.reshape(-1)) if flat_row_store(f) else col  # type: ignore[arg-type]
-            for col, f in zip(columns, checker.fields)]
+    each column whose field ``flat_row_store`` (its row s is ``[s*n : s*n+n]``) unless its
+    rows ``streams`` (``stream_rows`` takes the column itself)."""
+    return [memoryview(col.reshape(-1)) if flat_row_store(f) and not streams(f)  # type: ignore[arg-type]
+            else col for col, f in zip(columns, checker.fields)]
 
 
 def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
@@ -84,7 +103,8 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
     kept for the FINAL row instead of stored), compiled once per checker from the source of
     ``method``, whose COMPILED(...) lines it replaces: a keyword parameter per field (no
     dict of keyword arguments), ``fast_check`` per field with the full checker
-    (``_add_checked``) only where one is false, one store per field (``row_columns``). With
+    (``_add_checked``) only where one is false, one store per field (``row_columns``; large
+    rows ``streams``). With
     ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every field ``[1, ...]``, the index
     returned as an array of one), on its lane's ``Writer``. None where field names cannot be
     parameters (not identifiers, keywords, or names of the method's locals)."""
@@ -114,9 +134,12 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
     stored = len(names) - 1 if derived else len(names)
     columns = "lane._cols" if one_env else "lane._row_columns"
     stores = [", ".join(f"_c{k}" for k in range(stored)) + f", = {columns}"]
+    scope["_stream_rows"] = stream_rows
     for k, (name, f) in enumerate(zip(names[:stored], checker.fields)):
         if one_env and f.shape == ():
             stores.append(f"_c{k}[s] = {name}[0]")
+        elif streams(f):  # fenced inside: see _stream_c.c (one_env: a [1, ...] row, same bytes)
+            stores += [f"if not _stream_rows(_c{k}, s, {name}, 1):", f"    _c{k}[s] = {name}"]
         elif flat_row_store(f) and not one_env:  # a memoryview slice: see row_columns
             n = f.shape[0]
             stores.append(f"_c{k}[s * {n}:s * {n} + {n}] = {name}")

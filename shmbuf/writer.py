@@ -16,7 +16,7 @@ import numpy as np
 
 from . import layout as L
 from . import slots
-from .addcompile import compiled_add, flat_row_store, row_columns
+from .addcompile import compiled_add, flat_row_store, row_columns, stream_rows, streams
 from .checks import ring_segments, timeout_seconds
 from .errors import ClosedError, SpecMismatchError
 from .lease import Lease
@@ -80,6 +80,7 @@ class LaneWriter:
         checker = self._checker = storage.input_checker()
         self._field_names = checker.names
         self._flat_dtypes = [(k, f.dtype) for k, f in enumerate(checker.fields) if flat_row_store(f)]
+        self._streams = [streams(f) for f in checker.fields]  # extend's large rows
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
@@ -389,12 +390,12 @@ class Writer(LaneWriter):
         stamps, meta = self._stamps, self._meta
         segments = ring_segments(first, keep, C)
         slots.mark_ring_writing(stamps, segments, first, self._ramp2, k0)
-        for col, arr in zip(self._cols, arrays):
-            if skip == 0 and len(segments) == 1:
-                col[segments[0][0] : segments[0][1]] = arr
-            else:
-                for a, b, off in segments:
-                    col[a:b] = arr[skip + off : skip + off + (b - a)]
+        for col, arr, stream in zip(self._cols, arrays, self._streams):
+            for a, b, off in segments:
+                rows = arr[skip + off : skip + off + (b - a)] if skip or len(segments) > 1 else arr
+                if not (stream and stream_rows is not None  # (streams() says it is built)
+                        and stream_rows(col, a, rows, b - a)):  # fenced: see _stream_c.c
+                    col[a:b] = rows
         for a, b, off in segments:
             k0[()] = self._episode_bits | ((self._step + skip + off) & L.STEP_MASK)
             add(ramp[: b - a], k0, meta[a:b])

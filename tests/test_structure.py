@@ -68,11 +68,15 @@ KNOWN_DEBTS: dict[str, Any] = {
 
 
 def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    """Our modules by dotted name: each ``.py`` file, and each compiled extension by its
+    ``.pyi`` stub (``shmbuf._stream_c``: importing it is not importing ``shmbuf``)."""
     out = {}
     for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
+        for path in sorted([*(ROOT / pkg).rglob("*.py"), *(ROOT / pkg).rglob("*.pyi")]):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if path.suffix == ".pyi" and name in out:
+                continue  # a stub beside its module
             out[name] = (path, ast.parse(path.read_text(), str(path)))
     return out
 

@@ -1,0 +1,103 @@
+/* Row stores that stream past the caches: what a writer copies large rows (an Atari frame
+ * stack, 28 KB) into a buffer with.
+ *
+ * An optional speed-up, built by setup.py where a C compiler is at hand: without it (or where
+ * a call answers False) the writer stores with NumPy. A row written into a replay buffer is
+ * read, if ever, by another process long after, mostly from memory: an ordinary store first
+ * reads each cache line it writes (read for ownership) and then evicts something the writer
+ * or the samplers were using; a non-temporal store does neither, and copies a 28 KB row in
+ * about half the time.
+ *
+ * Ordering. Non-temporal stores are not ordered with other stores on x86-64, and the seqlock
+ * (shmbuf/slots.py) needs the row's bytes to become visible after the slot's odd stamp and
+ * before its even one. Each call therefore fences before its first store (the caller's odd
+ * stamp goes first) and after its last (the caller's even stamp goes after): a reader that
+ * reads the same even stamp before and after its copy cannot have seen a byte of a new row.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <emmintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static const char *plain_format(const char *f) {
+    if (!f) return "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return f;
+}
+
+static void stream_copy(char *dst, const char *src, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    while (i < n && ((uintptr_t)(dst + i) & 15)) {  /* up to 16-byte alignment */
+        dst[i] = src[i];
+        i++;
+    }
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    for (; i < n; i++) dst[i] = src[i];
+}
+
+/* store_rows(column, first, values, count) -> bool: copy values (count rows of column's row
+ * shape) into rows first .. first + count - 1 of column (a C-contiguous array, rows along its
+ * first axis), streaming. False, with nothing stored, where values is not a C-contiguous
+ * buffer of the column's exact item format and count rows' bytes: the caller then stores it
+ * with NumPy, which converts, broadcasts or explains. IndexError where the rows fall outside. */
+static PyObject *store_rows(PyObject *self, PyObject *args) {
+    PyObject *column_o, *values_o;
+    Py_ssize_t first, count;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnOn", &column_o, &first, &values_o, &count)) return NULL;
+    Py_buffer column, values;
+    if (PyObject_GetBuffer(column_o, &column,
+                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(values_o, &values, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();  /* not a contiguous buffer: NumPy's business */
+        PyBuffer_Release(&column);
+        Py_RETURN_FALSE;
+    }
+    PyObject *result = Py_False;
+    Py_ssize_t rows = column.ndim ? column.shape[0] : 0;
+    Py_ssize_t row_bytes = rows ? column.len / rows : 0;
+    if (row_bytes > 0 && count > 0 && values.len == count * row_bytes &&
+        values.itemsize == column.itemsize &&
+        strcmp(plain_format(values.format), plain_format(column.format)) == 0) {
+        Py_ssize_t n = count;
+        if (first < 0 || first + n > rows) {
+            PyErr_Format(PyExc_IndexError, "rows [%zd, %zd) of a column of %zd rows", first,
+                         first + n, rows);
+            result = NULL;
+        } else {
+            char *dst = (char *)column.buf + first * row_bytes;
+            Py_BEGIN_ALLOW_THREADS
+            _mm_sfence();  /* the caller's odd stamps before any byte of the rows */
+            stream_copy(dst, values.buf, values.len);
+            _mm_sfence();  /* every byte of the rows before the caller's even stamps */
+            Py_END_ALLOW_THREADS
+            result = Py_True;
+        }
+    }
+    PyBuffer_Release(&column);
+    PyBuffer_Release(&values);
+    Py_XINCREF(result);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"store_rows", store_rows, METH_VARARGS, "Copy rows into a column, streaming past caches."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_stream_c",
+                                    "Row stores that stream past the caches (optional).", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__stream_c(void) { return PyModule_Create(&module); }
