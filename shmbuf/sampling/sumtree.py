@@ -16,8 +16,8 @@ small top levels whole from cached index plans.
 
 The walks (``sample``, ``update``, ``fill``, ``fix_top``) are also compiled (``_sumtree_c``,
 an optional extension that ``setup.py`` builds where a C compiler is at hand): level by level
-over the batch, each level's blocks prefetched so that their cache misses overlap, several
-times faster per batch than the NumPy calls. The trees they leave are bit-identical (the same
+over the batch, each pass fetching the block it needs a few draws ahead so that cache misses
+overlap, several times faster per batch than the NumPy calls. The trees they leave are bit-identical (the same
 halving sums; a min is exact), and a draw finds the same leaf unless it lies within a few ulps
 of a boundary between two leaves (the compiled descent halves a block's children instead of
 taking its prefix sums). ``SHMBUF_SUMTREE=numpy`` in the environment (read at import, so by
