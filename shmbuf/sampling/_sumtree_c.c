@@ -54,6 +54,10 @@ typedef struct {
 
 static int parse_geometry(PyObject *obj, Py_ssize_t width, geometry *g) {
     Py_buffer view;
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return -1;
+    }
     if (get_buffer(obj, &view, 0, 'q', "geometry") < 0) return -1;
     Py_ssize_t n = view.len / 16;
     const int64_t *rows = (const int64_t *)view.buf;
@@ -71,6 +75,12 @@ static int parse_geometry(PyObject *obj, Py_ssize_t width, geometry *g) {
         return -1;
     }
     return 0;
+}
+
+/* Release the views a call took (those it got to before an error, too). */
+static void release(Py_buffer *const views[], int n) {
+    for (int i = 0; i < n; i++)
+        if (views[i]->obj) PyBuffer_Release(views[i]);
 }
 
 static inline double halving_sum(const double *c) {
@@ -153,10 +163,7 @@ static PyObject *update(PyObject *self, PyObject *args) {
                           &leaves_o, &values_o))
         return NULL;
     geometry g;
-    if (width <= 0 || parse_geometry(geom_o, width, &g) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
+    if (parse_geometry(geom_o, width, &g) < 0) return NULL;
     Py_buffer sums = {0}, mins = {0}, lanes = {0}, leaves = {0}, values = {0};
     PyObject *result = NULL;
     if (get_buffer(sums_o, &sums, 1, 'd', "sums") < 0) goto done;
@@ -228,11 +235,7 @@ static PyObject *update(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    if (sums.obj) PyBuffer_Release(&sums);
-    if (mins.obj) PyBuffer_Release(&mins);
-    if (lanes.obj) PyBuffer_Release(&lanes);
-    if (leaves.obj) PyBuffer_Release(&leaves);
-    if (values.obj) PyBuffer_Release(&values);
+    release((Py_buffer *const[]){&sums, &mins, &lanes, &leaves, &values}, 5);
     return result;
 }
 
@@ -248,10 +251,7 @@ static PyObject *sample(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnOOOO", &sums_o, &width, &geom_o, &u_o, &lanes_o, &leaves_o))
         return NULL;
     geometry g;
-    if (width <= 0 || parse_geometry(geom_o, width, &g) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
+    if (parse_geometry(geom_o, width, &g) < 0) return NULL;
     Py_buffer sums = {0}, u = {0}, lanes = {0}, leaves = {0};
     PyObject *result = NULL;
     if (get_buffer(sums_o, &sums, 0, 'd', "sums") < 0) goto done;
@@ -309,10 +309,7 @@ static PyObject *sample(PyObject *self, PyObject *args) {
     PyMem_Free(left);
     result = PyFloat_FromDouble(drawn);
 done:
-    if (sums.obj) PyBuffer_Release(&sums);
-    if (u.obj) PyBuffer_Release(&u);
-    if (lanes.obj) PyBuffer_Release(&lanes);
-    if (leaves.obj) PyBuffer_Release(&leaves);
+    release((Py_buffer *const[]){&sums, &u, &lanes, &leaves}, 4);
     return result;
 }
 
@@ -326,10 +323,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
                           &values_o))
         return NULL;
     geometry g;
-    if (width <= 0 || parse_geometry(geom_o, width, &g) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
+    if (parse_geometry(geom_o, width, &g) < 0) return NULL;
     Py_buffer sums = {0}, mins = {0}, values = {0};
     PyObject *result = NULL;
     if (get_buffer(sums_o, &sums, 1, 'd', "sums") < 0) goto done;
@@ -364,9 +358,7 @@ static PyObject *fill(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    if (sums.obj) PyBuffer_Release(&sums);
-    if (mins.obj) PyBuffer_Release(&mins);
-    if (values.obj) PyBuffer_Release(&values);
+    release((Py_buffer *const[]){&sums, &mins, &values}, 3);
     return result;
 }
 
@@ -378,10 +370,7 @@ static PyObject *rebuild_above(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "OOnOn", &sums_o, &mins_o, &width, &geom_o, &first)) return NULL;
     geometry g;
-    if (width <= 0 || parse_geometry(geom_o, width, &g) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
+    if (parse_geometry(geom_o, width, &g) < 0) return NULL;
     Py_buffer sums = {0}, mins = {0};
     PyObject *result = NULL;
     if (get_buffer(sums_o, &sums, 1, 'd', "sums") < 0) goto done;
@@ -405,8 +394,7 @@ static PyObject *rebuild_above(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    if (sums.obj) PyBuffer_Release(&sums);
-    if (mins.obj) PyBuffer_Release(&mins);
+    release((Py_buffer *const[]){&sums, &mins}, 2);
     return result;
 }
 
