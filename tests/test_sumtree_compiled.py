@@ -144,6 +144,14 @@ def test_bad_input_is_refused_before_anything_is_stored(compiled, lanes):
     with pytest.raises(ValueError, match="geometry"):
         sumtree._built.update(sums, mins, width, sumtree._geometry(sumtree.tree_width(10**5)),
                               None, ok_leaves, ok_values)
+    for row, column, value in [(1, 1, 10**6), (0, 1, leaf_count), (1, 0, 17), (0, 0, 1)]:
+        wrong = geometry.copy()  # a walk outside the row: refused before any store
+        wrong[row, column] = value
+        with pytest.raises(ValueError, match="geometry"):
+            sumtree._built.update(sums, mins, width, wrong, None, ok_leaves, ok_values)
+        with pytest.raises(ValueError, match="geometry"):
+            sumtree._built.sample(sums, width, wrong, np.zeros(2), np.empty(2, np.int64),
+                                  np.empty(2, np.int64))
     frozen = sums.copy()
     frozen.flags.writeable = False
     with pytest.raises((BufferError, ValueError, TypeError)):

@@ -66,7 +66,18 @@ static int parse_geometry(PyObject *obj, Py_ssize_t width, geometry *g) {
     for (Py_ssize_t l = 0; !bad && l < n; l++) {
         g->offset[l] = rows[2 * l];
         g->last[l] = rows[2 * l + 1];
-        if (l > 0 && g->offset[l] < g->offset[l - 1] + FANOUT) bad = 1;
+    }
+    /* What every walk relies on to stay inside the row: each level below the root a whole
+     * number of blocks, room in the level above for a parent per block (the top level one
+     * block, under the root), and the nodes a descent may reach with their blocks inside the
+     * level below. */
+    for (Py_ssize_t l = 0; !bad && l + 1 < n; l++) {
+        int64_t size = g->offset[l + 1] - g->offset[l];
+        int64_t above = l + 2 < n ? g->offset[l + 2] - g->offset[l + 1] : 1;
+        int64_t below_blocks = l ? (g->offset[l] - g->offset[l - 1]) / FANOUT : size;
+        bad = size < FANOUT || size % FANOUT || above < size / FANOUT ||
+              (l + 2 == n && size != FANOUT) || g->last[l] < 0 || g->last[l] >= size ||
+              g->last[l] >= below_blocks;
     }
     g->levels = n;
     PyBuffer_Release(&view);
