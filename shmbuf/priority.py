@@ -144,15 +144,17 @@ class PriorityTable:
         given, e.g. 1.0 for uniform tables); FINAL rows (not transitions) at zero."""
         committed = buf.committed()
         assert isinstance(committed, np.ndarray)  # no lane given: one count per lane
-        new = committed > self.synced
-        if not new.any():
+        if not (committed > self.synced).any():
             return 0
         capacity, meta = self.capacity, buf.storage.meta
-        value = float(self._value(np.asarray(self.max_priority))) if initial is None else initial
+        # (Python's float power is the C pow NumPy's takes: the same value as _value's)
+        value = (self.max_priority + self.eps) ** self.alpha if initial is None else initial
         entered = 0
-        for lane in np.flatnonzero(new):  # per lane and contiguous run of slots, not per row
-            start, stop = max(int(self.synced[lane]), int(committed[lane]) - capacity), int(
-                committed[lane])
+        for lane, (done, now) in enumerate(zip(self.synced.tolist(), committed.tolist())):
+            if now <= done:
+                continue
+            # per lane and contiguous run of slots, not per row
+            start, stop = max(done, now - capacity), now
             entered += stop - start
             while start < stop:  # at most two runs: the ring wraps once
                 slot = start % capacity
@@ -163,35 +165,42 @@ class PriorityTable:
                 values = np.full(end - start, value)
                 if self.final_rows:
                     values[(meta[run] & layout.FLAG_FINAL) != 0] = 0.0
-                sumtree.fill(self.sums, self.mins, int(lane), slot, values, top=False)
+                sumtree.fill(self.sums, self.mins, lane, slot, values, top=False)
                 start = end
         sumtree.fix_top(self.sums, self.mins)  # once for every run
-        self.synced[new] = committed[new]
+        np.maximum(self.synced, committed, out=self.synced)  # (the lanes with new rows)
         return entered
 
-    def sync_before_update(self, buf: ReplayBuffer, lanes: Any, indices: Any) -> None:
-        """``sync`` before an ``update`` of rows ``(lanes, indices)`` (so that one overwritten
-        since it was drawn is recognised and dropped), unless every one of them is entered and
-        still held: ``sync`` then changes none of their slots (new rows only take slots of rows
-        no longer held), and the update is the same without it. Under fast writers this skips
-        entering their rows twice per batch. Odd input just syncs (``update`` judges it)."""
+    def sync_before_update(self, buf: ReplayBuffer, lanes: Any, indices: Any
+                           ) -> np.ndarray | None:
+        """Ready an ``update`` of rows ``(lanes, indices)``; returns which of them are still
+        held (None: all, or input ``update`` will judge), for ``update(..., held=)``.
+
+        ``sync`` runs first only if one of the rows is not entered yet (a slot's occupant that
+        ``draw_held`` delivered): the update must find it. A row overwritten since it was drawn
+        is told by the window instead (its index is below ``lo``) and dropped; entering the
+        writers' new rows here would change nothing the update does, and the next ``sync``
+        (``next()``) enters them. Under fast writers this spares a second ``sync`` per batch.
+        Odd input just syncs."""
         index = self._update_rows(indices)
         if index is None or not index.size or index.dtype.kind not in "iu":
             self.sync(buf)
-            return
-        windows = buf.windows()
-        low = np.maximum(windows.lo, 0)
-        high = np.minimum(windows.hi, self._entered_below())
+            return None
         if isinstance(lanes, (int, np.integer)) and 0 <= int(lanes) < self.lanes:
-            lane = int(lanes)
-            if int(index.min()) >= low[lane] and int(index.max()) < high[lane]:
-                return
+            lane: Any = int(lanes)
         elif (isinstance(lanes, np.ndarray) and lanes.shape == index.shape
               and lanes.dtype.kind in "iu" and lanes.size and 0 <= int(lanes.min())
               and int(lanes.max()) < self.lanes):
-            if ((index >= low[lanes]) & (index < high[lanes])).all():
-                return
-        self.sync(buf)
+            lane = lanes
+        else:
+            self.sync(buf)
+            return None
+        windows = buf.windows()
+        if not (index < np.minimum(windows.hi, self._entered_below())[lane]).all():
+            self.sync(buf)
+            windows = buf.windows()
+        held = index >= np.maximum(windows.lo, 0)[lane]
+        return None if held.all() else held
 
     def _update_rows(self, indices: Any) -> np.ndarray | None:
         """The rows an ``update`` of ``indices`` sets (None: not an array it takes)."""
@@ -201,9 +210,11 @@ class PriorityTable:
         """Per lane: rows below it have their values in the table (learner side)."""
         return self.synced
 
-    def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any) -> int:
+    def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any, *,
+               held: np.ndarray | None = None) -> int:
         """Set new priorities for rows sampled at ``(lanes, indices)``; rows overwritten since
-        are skipped. Returns how many were applied.
+        are skipped (by their slot's generation, and where ``held``, from
+        ``sync_before_update``, is false). Returns how many were applied.
 
         Raises:
             InvalidPriorityError: a priority is NaN, infinite, negative or above
@@ -230,6 +241,8 @@ class PriorityTable:
             )
         leaves = indices % self.capacity
         current = self.gen[leaves if self.lanes == 1 else lanes * self.capacity + leaves] == indices
+        if held is not None:
+            current &= held.reshape(-1)
         applied = int(np.count_nonzero(current))
         if applied < current.size:  # rows overwritten since they were sampled: dropped
             self.updates_dropped += current.size - applied

@@ -121,7 +121,7 @@ class WindowPriorityTable(PriorityTable):
             at += n
 
     def update(self, lanes: np.ndarray, indices: np.ndarray, priorities: Any,
-               mask: Any = None) -> int:
+               mask: Any = None, *, held: np.ndarray | None = None) -> int:
         """New priorities for the windows of ``indices`` (``batch.indices``: ``[B, T]`` for
         sequences, or their starts ``[B]``): ``[B]`` as they are, or ``[B, T]`` per step,
         reduced by ``reduce_windows`` (over the steps where ``mask``, ``[B, T]`` bool, is true:
@@ -136,11 +136,13 @@ class WindowPriorityTable(PriorityTable):
         """
         index, values = self._starts(indices), self.window_priorities(lanes, indices,
                                                                         priorities, mask)
-        applied = super().update(lanes, index, values)
+        applied = super().update(lanes, index, values, held=held)
         # A start no batch can be read at (e.g. its window crosses an episode end) stays at 0.
         lane = np.broadcast_to(np.asarray(lanes, np.int64), index.shape)
         slots = lane * self.capacity + index % self.capacity
         unusable = ~self.usable[slots] & (self.gen[slots] == index)
+        if held is not None:  # (starts overwritten since: dropped above, left alone here)
+            unusable &= held.reshape(-1)
         if unusable.any():
             self.retire(lane[unusable], index[unusable])
         return applied - int(unusable.sum())

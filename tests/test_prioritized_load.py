@@ -132,10 +132,11 @@ def test_draw_held_redraws_in_a_buffer_that_stores_final_rows():
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
-def test_an_update_syncs_only_when_a_row_it_sets_is_not_entered_or_no_longer_held(lanes):
-    """``update_priorities`` enters new rows first only when it must: rows entered and still
-    held are updated without entering the writers' new rows (nothing of theirs changes); a
-    row overwritten since it was drawn makes it sync, and its update is dropped."""
+def test_an_update_syncs_only_when_a_row_it_sets_is_not_entered(lanes):
+    """``update_priorities`` enters new rows first only when it must (a row it sets is not
+    entered yet): rows entered and still held are updated without entering the writers' new
+    rows (nothing of theirs changes); a row overwritten since it was drawn is told by the
+    window and its update dropped, with nothing entered either."""
     with procs.new_buffer(capacity=100, lanes=lanes, rows=60) as buf, \
          SamplerPool(buf, n_workers=0, batch_size=8, sampler="prioritized", seed=0,
                      timeout=10) as pool:
@@ -150,7 +151,13 @@ def test_an_update_syncs_only_when_a_row_it_sets_is_not_entered_or_no_longer_hel
         np.testing.assert_array_equal(table.leaf_values(batch_lanes, indices),
                                       table._value(np.full(8, 2.0)))
         procs.fill(buf, 100)  # laps every lane: the batch's rows are gone
+        dropped, leaves = table.updates_dropped, table.sums.copy()
         assert pool.update_priorities(indices, np.full(8, 3.0), lanes=batch_lanes) == 0
+        assert table.updates_dropped == dropped + 8
+        # told by the window, without entering the new rows: nothing in the table changed
+        np.testing.assert_array_equal(table.synced, synced)
+        np.testing.assert_array_equal(table.sums, leaves)
+        pool.next()  # enters them
         np.testing.assert_array_equal(table.synced, buf.committed())
         # A row committed but not entered yet is entered by the update's sync, then set.
         procs.fill(buf, 1)

@@ -111,11 +111,11 @@ class PrioritizedSelection(Selection):
         self.table.sync(self.buf)  # new rows enter at the maximum priority
 
     def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
-        # Enter rows committed since the last batch first (unless every updated row is entered
-        # and still held): an update for a row overwritten since it was sampled is then
-        # recognised (by its slot's generation) and dropped.
-        self.table.sync_before_update(self.buf, lanes, indices)
-        return self.table.update(lanes, indices, priorities)
+        # An update for a row overwritten since it was sampled is dropped (told by the window);
+        # rows committed since the last batch are entered first only if one of the updated
+        # rows is among them.
+        held = self.table.sync_before_update(self.buf, lanes, indices)
+        return self.table.update(lanes, indices, priorities, held=held)
 
 
 def _rank_among_equal(values: np.ndarray) -> np.ndarray:

@@ -264,15 +264,22 @@ def fill(sums: np.ndarray, mins: np.ndarray, lane: int, start: int, values: np.n
 
 def fix_top(sums: np.ndarray, mins: np.ndarray) -> None:
     """Recompute the small top levels of every lane (after ``fill(..., top=False)`` runs)."""
-    tree_levels = levels(sums.shape[1])
-    for level, (_, size) in enumerate(tree_levels[:-1]):
-        if size * sums.shape[0] <= WHOLE_LEVEL:
-            if _compiled is not None and sums.flags.c_contiguous and mins.flags.c_contiguous:
-                _compiled.rebuild_above(sums, mins, sums.shape[1], _geometry(sums.shape[1]),
-                                        level)
-            else:
-                _fix_whole_levels(sums, mins, level)
-            return
+    level = _first_small_level(sums.shape[1], sums.shape[0])
+    if level is None:
+        return
+    if _compiled is not None and sums.flags.c_contiguous and mins.flags.c_contiguous:
+        _compiled.rebuild_above(sums, mins, sums.shape[1], _geometry(sums.shape[1]), level)
+    else:
+        _fix_whole_levels(sums, mins, level)
+
+
+@lru_cache(maxsize=64)
+def _first_small_level(width: int, lanes: int) -> int | None:
+    """The lowest level of at most ``WHOLE_LEVEL`` nodes over all lanes (None: none is)."""
+    for level, (_, size) in enumerate(levels(width)[:-1]):
+        if size * lanes <= WHOLE_LEVEL:
+            return level
+    return None
 
 
 def _fix_whole_levels(sums: np.ndarray, mins: np.ndarray, first: int) -> None:
