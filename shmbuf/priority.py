@@ -134,7 +134,7 @@ class PriorityTable:
         """The stored values of the slots of rows ``(lanes, indices)`` (whoever holds them)."""
         return self.sums[lanes, indices % self.capacity]
 
-    def _value(self, priorities: np.ndarray) -> np.ndarray:
+    def _value(self, priorities: Any) -> Any:
         """The stored value ``(p + eps) ** alpha`` of priorities."""
         return (priorities + self.eps) ** self.alpha
 
@@ -147,8 +147,7 @@ class PriorityTable:
         if not (committed > self.synced).any():
             return 0
         capacity, meta = self.capacity, buf.storage.meta
-        # (Python's float power is the C pow NumPy's takes: the same value as _value's)
-        value = (self.max_priority + self.eps) ** self.alpha if initial is None else initial
+        value = self._value(self.max_priority) if initial is None else initial
         entered = 0
         for lane, (done, now) in enumerate(zip(self.synced.tolist(), committed.tolist())):
             if now <= done:

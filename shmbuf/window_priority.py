@@ -99,7 +99,7 @@ class WindowPriorityTable(PriorityTable):
         lanes = np.flatnonzero(ready > self.judged)
         if not lanes.size:
             return entered
-        value = float(self._value(np.asarray(self.max_priority))) if initial is None else initial
+        value = self._value(self.max_priority) if initial is None else initial
         chunk = max(1, JUDGE_CELLS // self.reader.offsets.size)
         for lane in lanes:
             first = max(int(self.judged[lane]), int(self.synced[lane]) - self.capacity)

@@ -80,7 +80,8 @@ class LaneWriter:
         checker = self._checker = storage.input_checker()
         self._field_names = checker.names
         self._flat_dtypes = [(k, f.dtype) for k, f in enumerate(checker.fields) if flat_row_store(f)]
-        self._streams = [streams(f) for f in checker.fields]  # extend's large rows
+        # extend's store per field: streamed for large rows (None: NumPy's)
+        self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
@@ -390,11 +391,10 @@ class Writer(LaneWriter):
         stamps, meta = self._stamps, self._meta
         segments = ring_segments(first, keep, C)
         slots.mark_ring_writing(stamps, segments, first, self._ramp2, k0)
-        for col, arr, stream in zip(self._cols, arrays, self._streams):
+        for col, arr, store in zip(self._cols, arrays, self._row_stores):
             for a, b, off in segments:
                 rows = arr[skip + off : skip + off + (b - a)] if skip or len(segments) > 1 else arr
-                if not (stream and stream_rows is not None  # (streams() says it is built)
-                        and stream_rows(col, a, rows, b - a)):  # fenced: see _stream_c.c
+                if store is None or not store(col, a, rows, b - a):  # fenced: see _stream_c.c
                     col[a:b] = rows
         for a, b, off in segments:
             k0[()] = self._episode_bits | ((self._step + skip + off) & L.STEP_MASK)
