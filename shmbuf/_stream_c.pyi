@@ -1,4 +1,5 @@
-# The optional streaming row stores of a writer (_stream_c.c): see that file.
+# The optional streaming row stores of a writer, and the full fence (_stream_c.c): see that file.
 import numpy as np
 
 def store_rows(column: np.ndarray, first: int, values: object, count: int) -> bool: ...
+def full_fence() -> None: ...

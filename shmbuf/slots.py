@@ -29,6 +29,12 @@ import numpy as np
 
 from .errors import UnsupportedPlatformError
 
+compiled_fence: Callable[[], None] | None
+try:  # the optional compiled helpers (setup.py): mfence for full_fence
+    from ._stream_c import full_fence as compiled_fence
+except ImportError:  # built without a compiler
+    compiled_fence = None
+
 Words = Any  # memoryview("q") indexed by word offset, or an int64 ndarray (ints, slices, arrays)
 Segments = Sequence[tuple[int, int, int]]  # ring segments (a, b, off) from checks.ring_segments
 T = TypeVar("T")
@@ -70,17 +76,22 @@ def _new_fence_lock() -> None:
 os.register_at_fork(after_in_child=_new_fence_lock)
 
 
-def full_fence() -> None:
+def locked_fence() -> None:
     """Order every store before this call before every load after it (a StoreLoad barrier),
     the one order x86-64 does not keep by itself: the "set my flag, then look at yours" of a
     sleep/wake-up handshake (the staging ring's waiting words) needs it on both sides.
 
     Taking an uncontended lock is an atomic read-modify-write (``lock cmpxchg`` in glibc's
     ``sem_wait``/``pthread_mutex_lock``, which CPython's ``Lock`` uses), a full barrier on x86-64
-    (the platforms ``platform_supported`` accepts). About 0.2-0.7 us from Python when warm.
+    (the platforms ``platform_supported`` accepts). About 0.2-0.7 us from Python when warm, and
+    a few microseconds more on a core that just woke up: ``full_fence`` is ``_stream_c``'s
+    ``mfence`` where that extension was built, and this where it was not.
     """
     with _FENCE_LOCK:
         pass
+
+
+full_fence: Callable[[], None] = locked_fence if compiled_fence is None else compiled_fence
 
 
 def platform_supported(machine: str, pointer_bits: int) -> bool:

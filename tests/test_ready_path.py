@@ -107,8 +107,8 @@ N_STAGING = 6
 @pytest.fixture
 def pool(buf, start_method, monkeypatch):
     """One slow worker (50 ms per batch) and ``N_STAGING`` slots; the periodic death check
-    (a poll every ``CHECK_EVERY`` s while batches keep coming) moved out of the way."""
-    monkeypatch.setattr(delivery_ring, "CHECK_EVERY", 3600.0)
+    (a poll every ``CHECK_EVERY_NS`` while batches keep coming) moved out of the way."""
+    monkeypatch.setattr(delivery_ring, "CHECK_EVERY_NS", 3600 * 10**9)
     with SamplerPool(buf, batch_size=8, n_workers=1, n_staging=N_STAGING,
                      start_method=start_method, seed=0, transform=procs.Sleep(0.05)) as p:
         procs.assert_batch_ok(p.next(timeout=30), 8)  # the one periodic check happens here
@@ -227,7 +227,7 @@ STRACE_SCRIPT = textwrap.dedent("""
     from tests import pool_procs as procs
     from workers import SamplerPool, delivery_ring
     from workers.staging import FILLING, HELD, READY
-    delivery_ring.CHECK_EVERY = 3600.0
+    delivery_ring.CHECK_EVERY_NS = 3600 * 10**9
     buf = procs.new_buffer(capacity=128, lanes=2)
     pool = SamplerPool(buf, batch_size=8, n_workers=1, n_staging=6, start_method="fork",
                        seed=0, transform=procs.Sleep(0.05))

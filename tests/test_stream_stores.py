@@ -5,7 +5,8 @@ The rows written come back whole through every path (a wrapping ring, an extend 
 ring, rows the extension refuses and NumPy stores); what the extension cannot copy as it is it
 refuses before storing a byte; and a reader sampling while a writer process laps a small ring
 of large self-checking rows as fast as it can never gets a torn one (the fences around the
-non-temporal stores, under every start method).
+non-temporal stores, under every start method). The same extension's ``full_fence`` is the one
+the staging ring's handshakes use.
 """
 
 from __future__ import annotations
@@ -132,3 +133,15 @@ def test_no_torn_large_row_is_delivered_while_a_writer_laps_the_ring(mp, use_ext
             reap([writer])
     assert lapped > 20, f"the writer lapped the ring only {lapped:.0f} times"
     assert samples > 50
+
+
+def test_the_handshakes_fence_with_the_compiled_mfence():
+    """``slots.full_fence`` (the StoreLoad barrier of the staging ring's sleep/wake-up
+    handshake) is the extension's ``mfence`` where it was built, not the lock, which costs a
+    learner waking from its train step several microseconds more; the staging ring took it."""
+    from shmbuf import _stream_c, slots
+    from workers import staging
+
+    assert slots.full_fence is _stream_c.full_fence
+    assert staging.full_fence is _stream_c.full_fence
+    assert _stream_c.full_fence() is None and slots.locked_fence() is None

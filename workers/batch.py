@@ -140,7 +140,11 @@ class Batch(Mapping[str, Any]):
         """Hand the slot back to the pool now (idempotent)."""
         if not self._released:
             fn = self._release_fn
-            self._invalidate()
+            # (_invalidate, inline: the learner's hot path)
+            self._released = True
+            self._release_fn = self._to_fn = None
+            self._data = {}
+            self._indices = self._lanes = self._weights = None
             if fn is not None:
                 fn(self)
 

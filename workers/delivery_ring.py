@@ -4,7 +4,6 @@ them; the learner takes ready slots as views, hands them back, and supervises th
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 import warnings
@@ -20,7 +19,7 @@ from .channel import OP_ERROR, OP_HELLO
 from .delivery import Delivery, PoolParts
 from .device import DeviceStage
 from .sampler_proc import OP_WAKE, SamplerConfig, sampler_main
-from .selection import Rows
+from .slot_book import SlotBook, SlotRows
 from .staging import (
     ASSIGNED,
     ASSIGNED_ROWS,
@@ -28,7 +27,6 @@ from .staging import (
     LEARNER,
     READY,
     StagingRing,
-    counts_deliveries,
     slot_arrays,
     write_rows,
 )
@@ -36,7 +34,7 @@ from .supervise import Child, ChildSet, self_inflicted
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
 # While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
-CHECK_EVERY = 0.25
+CHECK_EVERY_NS = 250_000_000
 
 # Staging rings a device may still be reading when their pool closed: kept mapped until exit.
 _IN_FLIGHT_RINGS: list[StagingRing] = []
@@ -50,21 +48,47 @@ class _WorkerHandle(Child):
         self.wid = wid
         self.slots = slots  # staging slots this worker fills, fixed for the pool's life
         self.hello = False
-        # Told to fill, not reported ready yet; a dict for its order: after a death the lost
-        # slots are handed out again in the order they were first assigned.
-        self.assigned: dict[int, None] = {}
         self.startup_failures = 0
         self.batches = 0
 
-    def hand_over(self, ring: StagingRing, slot: int, generation: int, state: int) -> None:
-        """Assign ``slot`` to this worker (its STATE word stored last); a message wakes the
-        process only if it waits (the handshake of ``staging``)."""
-        self.assigned[slot] = None
-        if ring.assign(slot, self.wid, generation, state):
-            try:
-                self.send(OP_WAKE, slot, generation)
-            except OSError:
-                pass  # it died; its sentinel will say so and the slot is reclaimed then
+    def take_messages(self) -> WorkerError | None:
+        """Read this worker's messages (OP_READY only woke the learner: it reads the slot
+        states); the error it reported, if any."""
+        error = None
+        for op, _slot, _gen, text in self.receive():
+            if op == OP_HELLO:
+                self.hello = True
+                self.startup_failures = 0
+            elif op == OP_ERROR and error is None:
+                error = WorkerError(
+                    f"sampler worker {self.wid} (pid {self.proc.pid}) raised; its traceback:\n"
+                    f"{text.decode('utf-8', 'replace')}")
+        return error
+
+    def restart_refused(self, children: ChildSet[Any], buffer: str, start_method: str
+                        ) -> WorkerDiedError | None:
+        """This worker's process ended (``children`` retired it): why it must not be restarted
+        (it died during start-up twice in a row, or the restart budget is spent), else None."""
+        pid, how = self.proc.pid, self.describe_exit()
+        if not self.hello and self_inflicted(self.proc.exitcode):
+            self.startup_failures += 1
+        if self.startup_failures >= 2:
+            return WorkerDiedError(
+                f"sampler worker {self.wid} (pid {pid}) {how} during start-up, twice in a row; "
+                f"not restarting it. Check that the buffer {buffer!r} is reachable and the "
+                f"transform imports in a fresh process (start method {start_method!r})")
+        if not children.may_restart():
+            return WorkerDiedError(
+                f"sampler worker {self.wid} (pid {pid}) {how}; {children.budget.exhausted()}. "
+                f"Fix the cause, or raise max_restarts_per_minute")
+        return None
+
+    def wake(self, slot: int, generation: int) -> None:
+        """The process sleeps, or is about to, and ``slot`` was assigned to it: a message."""
+        try:
+            self.send(OP_WAKE, slot, generation)
+        except OSError:
+            pass  # it died; its sentinel will say so and the slot is reclaimed then
 
     def end_if_starting(self) -> None:
         """Kill the process if it has not said HELLO yet: it has nothing to finish. SIGKILL,
@@ -78,39 +102,14 @@ class _WorkerHandle(Child):
                 "batches": self.batches}
 
 
-class ReadySlots:
-    """Filled slots as they came; with ``ordered``, taken in the order they were assigned."""
-
-    def __init__(self, ordered: bool) -> None:
-        self.ordered = ordered
-        self.ready: collections.deque[int] = collections.deque()
-        self.order: collections.deque[int] = collections.deque()  # slots in assignment order
-
-    def __len__(self) -> int:
-        return len(self.ready)
-
-    def append(self, slot: int) -> None:
-        self.ready.append(slot)
-
-    def assigned(self, slot: int) -> None:
-        """``slot`` was handed out: with ``ordered``, it is delivered after those before it."""
-        if self.ordered:
-            self.order.append(slot)
-
-    def unassigned(self, slot: int) -> None:
-        """``slot`` went back unfilled: it loses its place."""
-        if slot in self.order:
-            self.order.remove(slot)
-
-    def pop(self) -> int | None:
-        """The next slot to deliver, if it is ready."""
-        if self.ordered:  # the oldest assignment first, once it is ready
-            if not self.order or self.order[0] not in self.ready:
-                return None
-            slot = self.order.popleft()
-            self.ready.remove(slot)
-            return slot
-        return self.ready.popleft() if self.ready else None
+def _sampler_config(delivery: Delivery, staging: str) -> SamplerConfig:
+    """What every sampler worker of ``delivery`` is started with (its staging ring's name)."""
+    cfg, table = delivery.cfg, delivery.selection.draws_from
+    return SamplerConfig(
+        buffer=delivery.buf.name, staging=staging, batch_size=delivery.batch_size,
+        fields=cfg.fields, out_fields=delivery.out_fields, transform=cfg.transform,
+        min_size=cfg.min_size, rate_limited=cfg.limit is not None, n_workers=cfg.n_workers,
+        plan=delivery.compiled.plan, priority_table=table.name if table is not None else None)
 
 
 class RingDelivery(Delivery):
@@ -121,7 +120,7 @@ class RingDelivery(Delivery):
     words while it holds the slot; the worker writes them (and the slot's data) between
     ASSIGNED and READY. Hand-overs are STATE word stores, wake-ups only by the handshake of
     ``staging`` (no system call while batches are ready, but a ``poll`` for messages and deaths
-    every ``CHECK_EVERY`` s). A worker that dies mid-fill has its slots reclaimed (generation
+    every ``CHECK_EVERY_NS``). A worker that dies mid-fill has its slots reclaimed (generation
     bumped) and is restarted within the budget; a half-filled slot is never READY, so never
     delivered. Workers exit by themselves when the learner dies.
     """
@@ -132,11 +131,13 @@ class RingDelivery(Delivery):
         self.children: ChildSet[_WorkerHandle] = ChildSet(
             ctx, sampler_main, "shmbuf-sampler", parts.cfg.max_restarts_per_minute)
         self.ring: StagingRing | None = None  # None until started, and once closed
-        self.slot_rows: dict[int, Rows] = {}  # learner-selected rows of each assigned slot
-        self.waiting: list[int] = []  # slots with no rows to select yet
-        self.ready = ReadySlots(parts.cfg.ordered)
+        self.rows = SlotRows(parts.selection)  # learner-selected rows, if the learner selects
+        self.book = SlotBook(parts.cfg.ordered)
         self.tickets = itertools.count(1)  # generations, one count for all: assignment order
-        self.next_check = 0.0  # monotonic time of the next look at messages and deaths
+        self.next_check = 0  # perf_counter_ns of the next look at messages and deaths
+        # Unordered host batches, no device stage, JAX arrays or page-locked copies to wait for,
+        # rows drawn by workers: next() and releases take short paths (set once views exist).
+        self.quick = False
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -146,14 +147,10 @@ class RingDelivery(Delivery):
         ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
                                               {"buffer": self.buf.name, "batch_size": b},
                                               n_workers=cfg.n_workers)
-        worker_cfg = SamplerConfig(
-            buffer=self.buf.name, staging=ring.name, batch_size=b, fields=cfg.fields,
-            out_fields=self.out_fields, transform=cfg.transform, min_size=cfg.min_size,
-            rate_limited=cfg.limit is not None, n_workers=cfg.n_workers, plan=self.compiled.plan,
-            priority_table=table.name if (table := self.selection.draws_from) else None,
-        )
-        self.cfg_bytes = cloudpickle.dumps(worker_cfg)
+        self.cfg_bytes = cloudpickle.dumps(_sampler_config(self, ring.name))
         self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
+        self.quick = not (cfg.ordered or self.selection.learner_selects or self.stage is not None
+                          or self.jax is not None or self.pinned is not None)
         n_workers = cfg.n_workers
         for wid, seed in enumerate(cfg.seed.spawn(n_workers)):
             slots = list(range(wid, cfg.n_staging, n_workers))
@@ -173,6 +170,7 @@ class RingDelivery(Delivery):
         return self._live_ring().slot(slot)
 
     def mark_held(self, slot: int) -> None:
+        """The learner takes ``slot`` off the ready list: HELD until it is handed out again."""
         self._live_ring().set_state(slot, HELD)
 
     def workers(self) -> list[_WorkerHandle]:
@@ -194,10 +192,10 @@ class RingDelivery(Delivery):
 
     @property
     def ready_count(self) -> int:
-        return len(self.ready)
+        return len(self.book)
 
     def selected_pending(self) -> int:
-        return sum(len(w.assigned) for w in self.workers())
+        return len(self.book.assigned)
 
     def shared_memory(self) -> tuple[Any, int, int] | None:
         ring = self._live_ring()
@@ -205,14 +203,30 @@ class RingDelivery(Delivery):
         return ring.seg.buf, offset, length
 
     # -- taking batches ---------------------------------------------------------------------------
-    @counts_deliveries
     def next(self, timeout: float, step: int) -> Batch:
-        now = time.monotonic()
-        deadline = now + timeout
+        """The learner's next batch. The common case (a READY slot, nothing else due) is STATE
+        word loads and a store, in as few frames as a core waking from a train step runs fast."""
+        t0 = time.perf_counter_ns()
         self._collect()
-        self.occupancy_sum += len(self.ready) / self.cfg.n_staging
-        if now >= self.next_check:  # ready slots kept coming: still notice deaths and errors
-            self.next_check = now + CHECK_EVERY
+        ready, ring = self.book.ready, self.ring
+        self.occupancy_sum += len(ready) / self.cfg.n_staging
+        if ready and self.quick and ring is not None and t0 < self.next_check \
+                and self.failure is None and not len(self.fences):
+            slot = ready.popleft()
+            ring.words[ring.state_words[slot]] = HELD  # (mark_held, without two more frames)
+            batch = self.hold(slot, step)
+        else:
+            batch = self._wait(t0, timeout, step)
+        ring = self.ring
+        if ring is not None:
+            ring.stats.batch_delivered(time.perf_counter_ns() - t0, self.children.restarts)
+        return batch
+
+    def _wait(self, t0: int, timeout: float, step: int) -> Batch:
+        """``next()``'s other cases: messages and deaths when due, device copies, waits."""
+        deadline = t0 + int(timeout * 1e9)
+        if t0 >= self.next_check:  # ready slots kept coming: still notice deaths and errors
+            self.next_check = t0 + CHECK_EVERY_NS
             self._poll(0)
         while True:
             if self.failure is not None:
@@ -223,41 +237,42 @@ class RingDelivery(Delivery):
                 if len(self.stage):
                     return self.hold_device(self.stage)
             else:
-                slot = self.ready.pop()
+                slot = self.book.pop()
                 if slot is not None:
+                    self.mark_held(slot)
                     return self.hold(slot, step)
-            if self.waiting:
+            if self.rows.waiting:
                 self._retry_waiting()
             self.selection.enter_new_rows()  # workers may be waiting for rows to enter
-            remaining = deadline - time.monotonic()
+            remaining = (deadline - time.perf_counter_ns()) / 1e9
             if remaining <= 0:
                 raise Timeout(f"no batch within {timeout}s: {self.waiting_for()}")
-            quick = self.waiting or self.selection.table is not None
+            quick = self.rows.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
             with self._live_ring().sleeping(LEARNER):  # the handshake of ``staging``
                 if not self._collect():
                     self._poll(min(remaining, pause))
                     self._collect()
-            self.next_check = time.monotonic() + CHECK_EVERY
+            self.next_check = time.perf_counter_ns() + CHECK_EVERY_NS
 
     def _collect(self) -> int:
         """Take up the slots workers handed back (READY, or STALE: learner-selected rows were
         overwritten before the gather) from their STATE words; how many."""
-        ring, found = self.ring, 0
-        for w in self.children.children if ring is not None else ():
-            for slot in ring.handed_back(w.assigned) if w.assigned else ():  # type: ignore[union-attr]
-                found += 1
-                del w.assigned[slot]
-                if ring.state(slot) == READY:  # type: ignore[union-attr]
-                    self.ready.append(slot)
-                    w.batches += 1
-                    self.selection.gathered(slot)
-                else:
-                    self.selection.stale(self.slot_rows.pop(slot))
-                    self.selection.gathered(slot)
-                    self._assign(w, slot, requeue=False)
-        return found
+        ring, book = self.ring, self.book
+        if ring is None or not book.assigned:
+            return 0
+        back = book.handed_back(ring.words, ring.state_words)
+        for slot in back:
+            if self.selection.learner_selects:
+                if ring.state(slot) != READY:  # STALE: its rows were overwritten
+                    self.rows.stale(slot)
+                    self._assign(self._worker_of(slot), slot, requeue=False)
+                    continue
+                self.selection.gathered(slot)
+            book.append(slot)
+            self.children.children[slot % self.cfg.n_workers].batches += 1
+        return len(back)
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
@@ -267,7 +282,7 @@ class RingDelivery(Delivery):
             # in another thread: do not read it, just report the close.
             self.check_open()
         for w in messages:
-            self._receive(w)
+            self._fail(w.take_messages())
         self.check_open()  # closed by another thread meanwhile: restart nobody
         for w in exits:
             self._on_exit(w)
@@ -276,19 +291,31 @@ class RingDelivery(Delivery):
         """Copy ready slots to the device while device buffers are free; each slot goes back to
         the workers once its copy has completed."""
         while stage.can_submit():
-            slot = self.ready.pop()
+            slot = self.book.pop()
             if slot is None:
                 return
+            self.mark_held(slot)
             self.submit_slot(stage, slot, step)
             self.slot_done(slot)
 
     # -- giving slots back ------------------------------------------------------------------------
+    def release_batch(self, batch: Batch, on_device: bool = False) -> None:
+        """``Delivery.release_batch``, with its common case short: a ``quick`` host batch whose
+        slot no device copy reads goes straight back to its worker (``_assign``)."""
+        if self.quick and batch is self.held and not len(self.fences) and not self.closing \
+                and self.failure is None and self.ring is not None:
+            self.held = None
+            slot = batch.slot
+            self._assign(self.children.children[slot % self.cfg.n_workers], slot)
+            return
+        super().release_batch(batch, on_device)
+
     def slot_done(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
-        self.slot_rows.pop(slot, None)
+        self.rows.done(slot)
         if self.closing or self.ring is None or self.failure is not None:
             return
-        if not self.fences.busy(slot):
+        if not len(self.fences) or not self.fences.busy(slot):
             self._assign(self._worker_of(slot), slot)
 
     def _reap_fences(self) -> None:
@@ -306,29 +333,25 @@ class RingDelivery(Delivery):
         assert ring is not None
         state = ASSIGNED
         if self.selection.learner_selects:
-            rows = self.slot_rows.get(slot)
-            if rows is None:
-                rows = (self.selection.select(self.batch_size, self.selection_rng)
-                        if self.may_select() else None)
-                if rows is None:  # nothing to select now: retried from next()
-                    ring.free(slot)
-                    self.waiting.append(slot)
-                    self.ready.unassigned(slot)  # a new place once it has rows again
-                    return
-                self.slot_rows[slot] = rows
-                self.selection.track(slot, rows)
+            rows = self.rows.rows_for(slot, lambda: self.selection.select(
+                self.batch_size, self.selection_rng) if self.may_select() else None)
+            if rows is None:  # nothing to select now: retried from next()
+                ring.free(slot)
+                self.book.unassigned(slot)  # a new place once it has rows again
+                return
             write_rows(ring.slot(slot), *rows)
             state = ASSIGNED_ROWS
-        self.gen[slot] = next(self.tickets)
-        if requeue:
-            self.ready.assigned(slot)  # (a slot handed out again keeps its place)
-        w.hand_over(ring, slot, self.gen[slot], state)
+        generation = self.gen[slot] = next(self.tickets)
+        self.book.handed_out(slot, requeue)
+        if ring.assign(slot, w.wid, generation, state):  # its STATE word stored last
+            w.wake(slot, generation)  # only if it waits: the handshake of ``staging``
 
     def _retry_waiting(self) -> None:
-        for slot in self.waiting[:]:
-            self.waiting.remove(slot)
+        waiting = self.rows.waiting
+        for slot in waiting[:]:
+            waiting.remove(slot)
             self._assign(self._worker_of(slot), slot)
-            if self.waiting and self.waiting[-1] == slot:
+            if waiting and waiting[-1] == slot:
                 break  # still nothing to select; the others would find nothing either
 
     # -- workers ----------------------------------------------------------------------------------
@@ -340,52 +363,26 @@ class RingDelivery(Delivery):
         for s in fill:
             self._assign(w, s, requeue=False)
 
-    def _receive(self, w: _WorkerHandle) -> None:
-        """Take ``w``'s messages (OP_READY only woke us: ``_collect`` reads the states)."""
-        for op, _slot, _gen, text in w.receive():
-            if op == OP_HELLO:
-                w.hello = True
-                w.startup_failures = 0
-            elif op == OP_ERROR:
-                self._fail(WorkerError(
-                    f"sampler worker {w.wid} (pid {w.proc.pid}) raised; its traceback:\n"
-                    f"{text.decode('utf-8', 'replace')}"
-                ))
-
     def _on_exit(self, w: _WorkerHandle) -> None:
         """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
-        self._receive(w)
+        self._fail(w.take_messages())
         self._collect()  # what it finished (READY after its last byte) is delivered
         if self.failure is not None:
             return
-        children, ring = self.children, self._live_ring()
-        children.retire(w)
-        pid, how = w.proc.pid, w.describe_exit()
-        lost = list(w.assigned)
+        ring = self._live_ring()
+        self.children.retire(w)
+        lost = self.book.lose(w.slots)
         for s in lost:  # half-filled or never started: nobody writes them any more
             self.gen[s] = next(self.tickets)
             ring.free(s, self.gen[s])
-        w.assigned.clear()
-        if not w.hello and self_inflicted(w.proc.exitcode):
-            w.startup_failures += 1
-        if w.startup_failures >= 2:
-            self._fail(WorkerDiedError(
-                f"sampler worker {w.wid} (pid {pid}) {how} during start-up, twice in a row; not "
-                f"restarting it. Check that the buffer {self.buf.name!r} is reachable and the "
-                f"transform imports in a fresh process (start method "
-                f"{self.ctx.get_start_method()!r})"
-            ))
-            return
-        if not children.may_restart():
-            self._fail(WorkerDiedError(
-                f"sampler worker {w.wid} (pid {pid}) {how}; {children.budget.exhausted()}. Fix "
-                f"the cause, or raise max_restarts_per_minute"
-            ))
+        refused = w.restart_refused(self.children, self.buf.name, self.ctx.get_start_method())
+        if refused is not None:
+            self._fail(refused)
             return
         # Slots it finished stay READY and are delivered; the new process refills the lost ones.
         self._start_worker(w, self.cfg.seed.spawn(1)[0], lost)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException | None) -> None:
         if self.failure is None:
             self.failure = error
 
@@ -394,7 +391,7 @@ class RingDelivery(Delivery):
         """Ask the workers to stop. One still starting (no HELLO) has nothing to finish: it is
         terminated at once rather than waited for (so a young spawn pool closes promptly)."""
         for w in self.workers():
-            self._receive(w)
+            self._fail(w.take_messages())
             w.end_if_starting()
         self.children.stop(timeout)
 

@@ -199,13 +199,16 @@ class SamplerPool(EpochIteration):
             ClosedError: the pool is closed (also raised in a thread waiting here when another
                 thread closes the pool).
         """
-        self._check_open()
+        if self._closed:  # (_check_open, inline: this is the learner's hot path)
+            raise ClosedError("the SamplerPool is closed")
         timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
         assert delivery is not None  # set by the constructor, and the pool is open
-        if delivery.held is not None:
-            delivery.held.release()
-        self._selection.enter_new_rows()
+        held = delivery.held
+        if held is not None:
+            held.release()
+        if self._selection.enters_rows:
+            self._selection.enter_new_rows()
         t0 = time.perf_counter()
         try:
             batch = delivery.next(timeout, self._batches)
@@ -238,10 +241,7 @@ class SamplerPool(EpochIteration):
         if not self._selection.prioritized:
             raise ShmbufError("update_priorities() needs a prioritized pool: SamplerPool(..., "
                               "sampler='prioritized')")
-        if lanes is None and self._delivery is not None:
-            lanes = self._delivery.recent.lanes_of(indices)
-        indices, priorities = _host_array(indices), _host_array(priorities)
-        lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
+        lanes, indices, priorities = _host_update(self._delivery, lanes, indices, priorities)
         priorities = _window_priorities(self._selection.table, lanes, indices, priorities, mask)
         return self._selection.update(lanes, indices, priorities)
 
@@ -392,6 +392,16 @@ class LimiterHold:
                 self.buf.storage.limiter.deactivate()
             self.lease.close()
             self.lease = None
+
+
+def _host_update(delivery: Delivery | None, lanes: Any, indices: Any, priorities: Any
+                 ) -> tuple[Any, Any, Any]:
+    """``update_priorities``' arguments as host arrays, ``lanes`` found from ``delivery``'s
+    recent batches when not given."""
+    if lanes is None and delivery is not None:
+        lanes = delivery.recent.lanes_of(indices)
+    lanes = lanes if isinstance(lanes, (int, np.integer)) else _host_array(lanes)
+    return lanes, _host_array(indices), _host_array(priorities)
 
 
 def _window_priorities(table: PriorityTable | None, lanes: Any, indices: Any, priorities: Any,

@@ -56,6 +56,7 @@ class Selection:
     prioritized = False  # takes new priorities (``update``)
     rate_limits: ClassVar[bool] = False  # paces writers itself: holds the buffer's limiter lock
     tags_batches: ClassVar[bool] = False  # writes ``staging.INFO`` (epochs, short batches)
+    enters_rows: ClassVar[bool] = False  # enter_new_rows does something: call it per batch
     table: PriorityTable | None = None
 
     @property
@@ -99,6 +100,7 @@ class PrioritizedSelection(Selection):
 
     table: PriorityTable
     prioritized = True
+    enters_rows = True
 
     def __init__(self, buf: ReplayBuffer, table: PriorityTable) -> None:
         self.buf, self.table = buf, table

@@ -41,11 +41,9 @@ worker's process is gone.
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -183,25 +181,6 @@ class PoolStats:
         q[b + L.STAT_RESTARTS] = restarts
 
 
-NextBatch = TypeVar("NextBatch", bound=Callable[..., Any])
-
-
-def counts_deliveries(next_batch: NextBatch) -> NextBatch:
-    """Decorates a ring delivery's ``next(timeout, step)``: every batch it returns is counted in
-    the ring's stats line with how long the learner waited for it (and the restarts so far)."""
-
-    @functools.wraps(next_batch)
-    def timed(delivery: Any, timeout: float, step: int) -> Any:
-        t0 = time.perf_counter_ns()
-        batch = next_batch(delivery, timeout, step)
-        ring = delivery.ring
-        if ring is not None:
-            ring.stats.batch_delivered(time.perf_counter_ns() - t0, delivery.restarts)
-        return batch
-
-    return timed  # type: ignore[return-value]
-
-
 class StagingRing:
     """A mapped staging segment: slot views and control words.
 
@@ -323,11 +302,6 @@ class StagingRing:
         to) and need a message?"""
         full_fence()
         return bool(self.words[self.waiter_words[waiter]])
-
-    def handed_back(self, slots: Any) -> list[int]:
-        """Those of ``slots`` whose worker is done with them (READY or STALE)."""
-        words, index = self.words, self.state_words
-        return [s for s in slots if words[index[s]] in HANDED_BACK]
 
     def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> bool:
         """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
