@@ -64,7 +64,7 @@ class SlotBook:
         if not self.ready:
             return None
         if self.ordered:  # the oldest assignment first, once it is ready
-            if self.order[0] not in self.ready:
+            if not self.order or self.order[0] not in self.ready:
                 return None
             slot = self.order.popleft()
             self.ready.remove(slot)
