@@ -144,4 +144,3 @@ def test_the_handshakes_fence_with_the_compiled_mfence():
 
     assert slots.full_fence is _stream_c.full_fence
     assert staging.full_fence is _stream_c.full_fence
-    assert _stream_c.full_fence() is None and slots.locked_fence() is None

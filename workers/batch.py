@@ -140,11 +140,7 @@ class Batch(Mapping[str, Any]):
         """Hand the slot back to the pool now (idempotent)."""
         if not self._released:
             fn = self._release_fn
-            # (_invalidate, inline: the learner's hot path)
-            self._released = True
-            self._release_fn = self._to_fn = None
-            self._data = {}
-            self._indices = self._lanes = self._weights = None
+            self._invalidate()
             if fn is not None:
                 fn(self)
 

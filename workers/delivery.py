@@ -182,18 +182,17 @@ class Delivery:
         return self.buf.storage.limiter.can_sample(self.batch_size * (1 + self.selected_pending()),
                                                    self.cfg.min_size, self.cfg.limit is not None)
 
-    def weigh(self, slot: int, step: int) -> None:
-        """Fill in the importance weights of ``slot`` with batch ``step``'s beta."""
-        arrays = self.slot_arrays(slot)
-        arrays[WEIGHTS][...] = importance_weights(arrays[PROBS], float(arrays[PMIN][0]),
-                                                  self.cfg.beta(step))
+    def take_slot(self, slot: int, step: int) -> dict[str, Any]:
+        """The learner takes a ready slot (marked HELD already, where that is recorded): fill
+        in its importance weights; its views."""
+        if self.weighted:  # importance weights with this batch's beta
+            arrays = self.slot_arrays(slot)
+            arrays[WEIGHTS][...] = importance_weights(arrays[PROBS], float(arrays[PMIN][0]),
+                                                      self.cfg.beta(step))
+        return self.views[slot]
 
     def hold(self, slot: int, step: int) -> Batch:
-        """The learner takes ``slot`` (marked HELD already, where that is recorded) as the
-        held ``Batch``."""
-        if self.weighted:
-            self.weigh(slot, step)
-        views = self.views[slot]
+        views = self.take_slot(slot, step)
         info = views[INFO].tolist() if self.selection.tags_batches else None
         if self.jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
             views, fence = self.jax.wrap(
@@ -258,9 +257,7 @@ class Delivery:
     def submit_slot(self, stage: DeviceStage, slot: int, step: int) -> None:
         """Enqueue the copy of ``slot`` to a device buffer of ``stage`` (``self.stage``); fence
         the slot with it."""
-        if self.weighted:
-            self.weigh(slot, step)
-        views = self.views[slot]
+        views = self.take_slot(slot, step)
         host = {n: views[n] for n in self.out_fields}
         host[WEIGHTS] = views[WEIGHTS]
         info = views[INFO].tolist() if self.selection.tags_batches else None

@@ -135,9 +135,6 @@ class RingDelivery(Delivery):
         self.book = SlotBook(parts.cfg.ordered)
         self.tickets = itertools.count(1)  # generations, one count for all: assignment order
         self.next_check = 0  # perf_counter_ns of the next look at messages and deaths
-        # Unordered host batches, no device stage, JAX arrays or page-locked copies to wait for,
-        # rows drawn by workers: next() and releases take short paths (set once views exist).
-        self.quick = False
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -149,8 +146,6 @@ class RingDelivery(Delivery):
                                               n_workers=cfg.n_workers)
         self.cfg_bytes = cloudpickle.dumps(_sampler_config(self, ring.name))
         self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
-        self.quick = not (cfg.ordered or self.selection.learner_selects or self.stage is not None
-                          or self.jax is not None or self.pinned is not None)
         n_workers = cfg.n_workers
         for wid, seed in enumerate(cfg.seed.spawn(n_workers)):
             slots = list(range(wid, cfg.n_staging, n_workers))
@@ -208,12 +203,13 @@ class RingDelivery(Delivery):
         word loads and a store, in as few frames as a core waking from a train step runs fast."""
         t0 = time.perf_counter_ns()
         self._collect()
-        ready, ring = self.book.ready, self.ring
-        self.occupancy_sum += len(ready) / self.cfg.n_staging
-        if ready and self.quick and ring is not None and t0 < self.next_check \
-                and self.failure is None and not len(self.fences):
-            slot = ready.popleft()
-            ring.words[ring.state_words[slot]] = HELD  # (mark_held, without two more frames)
+        self.occupancy_sum += len(self.book) / self.cfg.n_staging
+        slot = None
+        if t0 < self.next_check and self.failure is None and self.stage is None \
+                and not len(self.fences):
+            slot = self.book.pop()
+        if slot is not None:
+            self.mark_held(slot)
             batch = self.hold(slot, step)
         else:
             batch = self._wait(t0, timeout, step)
@@ -299,23 +295,12 @@ class RingDelivery(Delivery):
             self.slot_done(slot)
 
     # -- giving slots back ------------------------------------------------------------------------
-    def release_batch(self, batch: Batch, on_device: bool = False) -> None:
-        """``Delivery.release_batch``, with its common case short: a ``quick`` host batch whose
-        slot no device copy reads goes straight back to its worker (``_assign``)."""
-        if self.quick and batch is self.held and not len(self.fences) and not self.closing \
-                and self.failure is None and self.ring is not None:
-            self.held = None
-            slot = batch.slot
-            self._assign(self.children.children[slot % self.cfg.n_workers], slot)
-            return
-        super().release_batch(batch, on_device)
-
     def slot_done(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
         self.rows.done(slot)
         if self.closing or self.ring is None or self.failure is not None:
             return
-        if not len(self.fences) or not self.fences.busy(slot):
+        if not self.fences.busy(slot):
             self._assign(self._worker_of(slot), slot)
 
     def _reap_fences(self) -> None:

@@ -199,14 +199,12 @@ class SamplerPool(EpochIteration):
             ClosedError: the pool is closed (also raised in a thread waiting here when another
                 thread closes the pool).
         """
-        if self._closed:  # (_check_open, inline: this is the learner's hot path)
-            raise ClosedError("the SamplerPool is closed")
+        self._check_open()
         timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
         assert delivery is not None  # set by the constructor, and the pool is open
-        held = delivery.held
-        if held is not None:
-            held.release()
+        if delivery.held is not None:
+            delivery.held.release()
         if self._selection.enters_rows:
             self._selection.enter_new_rows()
         t0 = time.perf_counter()
