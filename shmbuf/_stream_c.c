@@ -16,33 +16,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <emmintrin.h>
-#include <stdint.h>
 #include <string.h>
+
+#include "_stream_copy.h"
 
 static const char *plain_format(const char *f) {
     if (!f) return "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     return f;
-}
-
-static void stream_copy(char *dst, const char *src, Py_ssize_t n) {
-    Py_ssize_t i = 0;
-    while (i < n && ((uintptr_t)(dst + i) & 15)) {  /* up to 16-byte alignment */
-        dst[i] = src[i];
-        i++;
-    }
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    for (; i < n; i++) dst[i] = src[i];
 }
 
 /* store_rows(column, first, values, count) -> bool: copy values (count rows of column's row

@@ -1,6 +1,7 @@
 """``Writer.add`` compiled for one spec: the method's own source with a keyword parameter per
-field, the row checker's fast check per field inline and one store per field, so that an ``add``
-costs about twice a plain NumPy ring's instead of four to five times.
+field, and in front of it one call that checks and stores the whole row in C (``_add_c.RowPut``,
+where it was built); the method's own path, with the row checker's fast check per field inline,
+takes what that call leaves (values to convert, room to wait for) and runs where it was not built.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ try:  # optional, built where a compiler was at hand (setup.py): else NumPy stor
 except ImportError:
     stream_rows = None
 
+RowPut: Any
+try:  # optional, built against NumPy's headers where a compiler was at hand (setup.py)
+    from ._add_c import MAX_FIELDS as PUT_MAX_FIELDS
+    from ._add_c import RowPut
+except ImportError:  # (a NumPy older than the one it was built against raises ImportError)
+    RowPut, PUT_MAX_FIELDS = None, 0
+
 _compiled: weakref.WeakKeyDictionary[RowChecker, dict[Any, Any]] = weakref.WeakKeyDictionary()
 # Rows of at least this many bytes are stored streaming past the caches (``_stream_c.c``): an
 # Atari frame stack (28 KB) in about half the time of NumPy's copy, which first reads every
 # cache line it writes. Below a few KB a row is better left in the cache it is written to.
 STREAM_MIN_ROW_BYTES = 4096
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def fast_check(checker: RowChecker, k: int, var: str, one_env: bool = False
@@ -66,21 +75,6 @@ def fast_check(checker: RowChecker, k: int, var: str, one_env: bool = False
     return "(" + " or ".join(parts) + ")", names
 
 
-def flat_row_store(field: Any) -> bool:
-    """Whether rows of ``field`` (a ``Spec`` field) are stored through a flat memoryview of its
-    column (``row_columns``): 1-D fields of plain numeric dtypes, where a memoryview slice store
-    copies the row's bytes as NumPy would, in two thirds of the time of ``col[s] = row``."""
-    if len(field.shape) != 1 or field.dtype.kind not in "biuf" or not field.dtype.isnative:
-        return False
-    n = field.shape[0]
-    column, row = np.zeros(2 * n, field.dtype), np.arange(n).astype(field.dtype)
-    try:
-        memoryview(column)[n : 2 * n] = row  # type: ignore[call-overload, arg-type]
-    except (ValueError, TypeError, NotImplementedError):
-        return False
-    return column[n:].tobytes() == row.tobytes()
-
-
 def streams(field: Any) -> bool:
     """Whether rows of ``field`` (a ``Spec`` field) are stored with ``stream_rows``: large
     rows of plain numeric dtypes, where the streaming extension was built. A row it cannot
@@ -89,25 +83,47 @@ def streams(field: Any) -> bool:
             and field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES)
 
 
-def row_columns(checker: RowChecker, columns: Sequence[np.ndarray]) -> list[Any]:
-    """What a compiled ``add`` stores rows into: a lane's column views, a flat memoryview of
-    each column whose field ``flat_row_store`` (its row s is ``[s*n : s*n+n]``) unless its
-    rows ``streams`` (``stream_rows`` takes the column itself)."""
-    return [memoryview(col.reshape(-1)) if flat_row_store(f) and not streams(f)  # type: ignore[arg-type]
-            else col for col, f in zip(columns, checker.fields)]
+def puts_rows(checker: RowChecker) -> bool:
+    """Whether ``Writer.add`` of ``checker``'s spec stores through ``_add_c.RowPut``: where it
+    was built, for specs of up to ``PUT_MAX_FIELDS`` fields of plain numeric dtypes."""
+    return RowPut is not None and len(checker.fields) <= PUT_MAX_FIELDS and all(
+        f.dtype.kind in "biufc" and f.dtype.isnative and not f.dtype.hasobject
+        for f in checker.fields)
+
+
+def row_put(checker: RowChecker, words: Any, at: tuple[int, ...], columns: Sequence[np.ndarray],
+            pending: np.ndarray | None, one_env: bool) -> Callable[..., int | None]:
+    """``RowPut(...).put`` for one lane: ``words`` the segment's words; ``at`` the lane's
+    (committed, reserved, limiter generation, first stamp, first meta word) word offsets, its
+    capacity and the step mask; ``columns`` the lane's column per stored field; ``pending`` the
+    row a derived buffer keeps of the last next_obs (its last field, not stored), else None.
+    The field checks are ``fast_check``'s (``one_env``: rows of ``[1, *shape]``)."""
+    dests = [(col, 1) for col in columns] + ([(pending, 0)] if pending is not None else [])
+    fields = []
+    for f, (dest, per_slot) in zip(checker.fields, dests, strict=True):
+        numbers = f.shape == () and not one_env
+        types, int_lo, int_hi, f_lo, f_hi = fast_scalars(f)
+        if not numbers or f.dtype.kind not in "biuf" or f.dtype.char == "e":  # no float16
+            types, int_lo, int_hi, f_lo, f_hi = frozenset(), 1, 0, 1.0, 0.0
+        nbytes = f.dtype.itemsize * int(np.prod(f.shape))
+        fields.append((f.dtype, (1, *f.shape) if one_env else f.shape, dest, nbytes * per_slot,
+                       nbytes >= STREAM_MIN_ROW_BYTES, numbers, bool in types, float in types,
+                       max(int_lo, _INT64[0]), min(int_hi, _INT64[1]), f_lo, f_hi))
+    return RowPut(words, at, fields).put  # type: ignore[no-any-return]
 
 
 def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
                  one_env: bool) -> Callable[..., Any] | None:
-    """``method`` (``Writer.add``) for the fields of ``checker`` (``derived``: its last field, next_obs, is
-    kept for the FINAL row instead of stored), compiled once per checker from the source of
-    ``method``, whose COMPILED(...) lines it replaces: a keyword parameter per field (no
-    dict of keyword arguments), ``fast_check`` per field with the full checker
-    (``_add_checked``) only where one is false, one store per field (``row_columns``; large
-    rows ``streams``). With
-    ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every field ``[1, ...]``, the index
-    returned as an array of one), on its lane's ``Writer``. None where field names cannot be
-    parameters (not identifiers, keywords, or names of the method's locals)."""
+    """``method`` (``Writer.add``) for the fields of ``checker`` (``derived``: its last field,
+    next_obs, is kept for the FINAL row instead of stored), compiled once per checker from the
+    source of ``method``, whose COMPILED(...) lines it replaces: a keyword parameter per field
+    (no dict of keyword arguments); first, where ``puts_rows``, one call of ``self._put`` (a
+    ``row_put``) that checks and stores the row; else, or where that call stored nothing,
+    ``fast_check`` per field with the full checker (``_add_checked``) only where one is false,
+    then ``slots.write_row``. With ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every
+    field ``[1, ...]``, the index returned as an array of one), on its lane's ``Writer``. None
+    where field names cannot be parameters (not identifiers, keywords, or names of the
+    method's locals)."""
     cache = _compiled.setdefault(checker, {})
     if (method, one_env) in cache:
         return cache[method, one_env]
@@ -131,22 +147,19 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
         checks.append(expr)
         scope.update(used)
     given = ", ".join(names) + ","
-    stored = len(names) - 1 if derived else len(names)
-    columns = "lane._cols" if one_env else "lane._row_columns"
-    stores = [", ".join(f"_c{k}" for k in range(stored)) + f", = {columns}"]
-    scope["_stream_rows"] = stream_rows
-    for k, (name, f) in enumerate(zip(names[:stored], checker.fields)):
-        if one_env and f.shape == ():
-            stores.append(f"_c{k}[s] = {name}[0]")
-        elif streams(f):  # fenced inside: see _stream_c.c (one_env: a [1, ...] row, same bytes)
-            stores += [f"if not _stream_rows(_c{k}, s, {name}, 1):", f"    _c{k}[s] = {name}"]
-        elif flat_row_store(f) and not one_env:  # a memoryview slice: see row_columns
-            n = f.shape[0]
-            stores.append(f"_c{k}[s * {n}:s * {n} + {n}] = {name}")
-        else:
-            stores.append(f"_c{k}[s] = {name}")
+    ret = ["_r = _ONE_INDEX.copy()", "_r[0] = i", "return _r"] if one_env else ["return i"]
+    put = [] if not puts_rows(checker) else [
+        "if lane._closed_reason is None and not fields:",
+        "    i = self._put(lane._next, lane._room_until, lane._lim_gen, lane._episode_bits, "
+        f"lane._step, {given})",
+        "    if i is not None:",
+        "        lane._next = i + 1",
+        "        lane._step += 1",
+        *(f"        {r}" for r in ret)]
+    rows = "".join(f"{n}[0], " for n in names) if one_env else given  # one_env: [1, ...] each
     replace = {
         "lane": ["lane = self._lane" if one_env else "lane = self"],
+        "put": put,
         "check": ["try:",
                   "    _fast = lane._closed_reason is None and not fields and (",
                   *(f"        {c}{' and' if k < len(checks) - 1 else ''}"
@@ -154,13 +167,11 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
                   "    )",
                   "except Exception:  # e.g. AttributeError: not an array",
                   "    _fast = False",
-                  "if not _fast:",
-                  f"    {given} = self._add_checked(fields, ({given}), {one_env})"],
+                  f"values = ({rows}) if _fast else self._add_checked(fields, ({given}), "
+                  f"{one_env})"],
         "room": ["self._make_lane_room(i)" if one_env else "lane._make_room(1, i)"],
-        "stores": stores,
-        "derived": [f"lane._last_next_obs[...] = {names[-1]}"] if derived else [],
-        "return": ["_r = _ONE_INDEX.copy()", "_r[0] = i", "return _r"] if one_env
-        else ["return i"],
+        "derived": ["lane._last_next_obs[...] = values[-1]"] if derived else [],
+        "return": ret,
     }
     lines, skip_body, body_indent = [], False, 0
     for line in source.splitlines():

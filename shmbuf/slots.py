@@ -13,7 +13,9 @@ Concurrency: only the holder of a lane's writer lease (its ``Writer``/``VectorWr
 ``clear``/restores holding every lease) calls the writing functions for that lane, except
 ``set_floor``, called by the holder of ``LOCK_CLEAR``; the reading
 functions are for anyone and never wait. The one copy of a write path outside this module is
-the inline copy in ``Writer.add`` (speed), pinned to ``write_row`` by tests/test_slots.py.
+its compiled twin in C, ``_add_c.c`` (``Writer.add``'s check and ``claim`` + ``write_row`` in
+one call, where it was built), held to ``write_row`` byte for byte by tests/test_slots.py and
+tests/test_add_compiled.py.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def store_fence() -> None:
     between an odd stamp and the payload it guards. A no-op: ``check_platform`` admits only
     x86-64, whose TSO order keeps stores in program order. On aarch64 a release/store barrier
     (``dmb ishst``, e.g. ``__atomic_thread_fence(__ATOMIC_RELEASE)`` through a tiny C helper)
-    would go here, with ``load_fence`` below, and ``Writer.add`` would call ``write_row``
-    instead of its inline copy.
+    would go here, with ``load_fence`` below (``_add_c.c`` already orders its stores with that
+    fence, a compiler barrier on x86-64).
     """
 
 
@@ -174,8 +176,8 @@ def write_row(words: Words, stamp_at: int, meta_at: int, committed_at: int, inde
 
     ``words`` is the segment as ``memoryview("q")``; ``*_at`` are word offsets in it;
     ``columns`` are the lane's column views and ``slot`` the row's slot in the lane. Also
-    publishes an episode's FINAL row (``meta`` with ``FLAG_FINAL``). ``Writer.add`` keeps an
-    inline copy of this function (tests/test_slots.py checks both leave the same words).
+    publishes an episode's FINAL row (``meta`` with ``FLAG_FINAL``). ``_add_c.c`` is its
+    compiled twin for ``Writer.add`` (tests/test_slots.py checks both leave the same words).
     """
     words[stamp_at] = 2 * index + 1
     store_fence()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import layout as L
-from .addcompile import compiled_add
+from .addcompile import compiled_add, puts_rows
 from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
@@ -200,6 +200,12 @@ class OneEnvVectorWriter(VectorWriter):
 
     def _take_lane_state(self, writers: list[Writer]) -> None:
         self._lane = writers[0]  # keeps it: see the properties below
+        checker = self._storage.input_checker()
+        self._put = self._lane._row_put(one_env=True) if puts_rows(checker) else None
+
+    def _drop_views(self) -> None:
+        super()._drop_views()
+        self._put = None
 
     @property
     def _next(self) -> np.ndarray:  # type: ignore[override]

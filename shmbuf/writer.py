@@ -1,7 +1,8 @@
 """Lane writers: ``LaneWriter``, the core every lane writer shares, and ``Writer`` (one lane).
 
 ``VectorWriter`` (``vector.py``, one lane per env) is the other writer on the same core. Every
-store to a lane's seqlock words goes through ``slots``, except the inline copy in ``Writer.add``.
+store to a lane's seqlock words goes through ``slots``, or its compiled twin for ``Writer.add``
+(``_add_c.c``, through ``addcompile.row_put``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from . import layout as L
 from . import slots
-from .addcompile import compiled_add, flat_row_store, row_columns, stream_rows, streams
+from .addcompile import compiled_add, puts_rows, row_put, stream_rows, streams
 from .checks import ring_segments, timeout_seconds
 from .errors import ClosedError, SpecMismatchError
 from .lease import Lease
@@ -79,7 +80,6 @@ class LaneWriter:
         self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
         checker = self._checker = storage.input_checker()
         self._field_names = checker.names
-        self._flat_dtypes = [(k, f.dtype) for k, f in enumerate(checker.fields) if flat_row_store(f)]
         # extend's store per field: streamed for large rows (None: NumPy's)
         self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
@@ -134,18 +134,15 @@ class LaneWriter:
             self._raise_closed()
         fields = {name: v for name, v in zip(self._field_names, given) if v is not _MISSING}
         fields.update(extra)
-        if not one_env:  # rows stored through a memoryview must have the field's own dtype
-            values = self._check_row(fields)
-            for k, dtype in self._flat_dtypes:
-                values[k] = np.ascontiguousarray(values[k], dtype)
-            return values
+        if not one_env:
+            return self._check_row(fields)
         n, arrays = self._check_batch(fields)
         if n != 1:
             raise SpecMismatchError(
                 f"add(): fields have {n} rows but this writer has num_envs=1: pass one row per "
                 f"environment"
             )
-        return arrays
+        return [a[0] for a in arrays]
 
     # -- one row in each of several lanes ---------------------------------------------------------
     def _put_rows(self, slot_ids: Lanes, index: Lanes, lanes: Lanes, rows: Sequence[Any],
@@ -269,18 +266,18 @@ class Writer(LaneWriter):
         self._meta0 = (lay.meta.offset // 8) + lane * C
         base = lane * C
         self._cols = [column[base : base + C] for column in self._columns]  # this lane's
-        self._row_columns = row_columns(self._checker, self._cols)  # (the compiled add's)
         self._stamps = storage.stamps[base : base + C]
         self._meta = storage.meta[base : base + C]
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
         self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
         if self._derived:
             self._last_next_obs = self._pending[0]  # this lane's row of the core's _pending
+        # The compiled add's store of a whole row (None where _add_c was not built).
+        self._put = self._row_put(one_env=False) if puts_rows(self._checker) else None
 
         # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
-        committed, reserved = slots.take_over(q, self._w_committed, self._w_reserved, C)
+        committed = slots.take_over(q, self._w_committed, self._w_reserved, C)[0]
         self._next = committed
-        self._reserved = max(reserved, committed)
         q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
         q[w(L.LANE_WRITER_PID)] = os.getpid()
         episode, start = q[w(L.LANE_EPISODE)], q[w(L.LANE_EPISODE_START)]
@@ -292,6 +289,14 @@ class Writer(LaneWriter):
         self.episode = episode
         self._step = committed - start
         self._episode_bits = episode << L.STEP_BITS
+
+    def _row_put(self, one_env: bool) -> Callable[..., int | None]:
+        """``addcompile.row_put`` for this lane: the compiled ``add``'s check and stores of one
+        row, with the words, columns and pending next_obs row of this lane."""
+        at = (self._w_committed, self._w_reserved, self._w_lim_gen, self._stamp0, self._meta0,
+              self._C, L.STEP_MASK)
+        return row_put(self._checker, self._words, at, self._cols,
+                       self._last_next_obs if self._derived else None, one_env)
 
     @classmethod
     def open(cls, storage: BufferStorage, lane: int | None, timeout: float,
@@ -331,26 +336,17 @@ class Writer(LaneWriter):
         # A writer's class runs this method as ``compiled_add`` made it from this source for
         # its buffer's spec: the lines marked COMPILED(...) are replaced there.
         lane = self  # COMPILED(lane)
+        # COMPILED(put): one call that checks and stores the row (``addcompile.row_put``)
         values = lane._add_checked(fields, ())  # COMPILED(check)
         i = lane._next
         q = lane._words
         if i >= lane._room_until or q[lane._w_lim_gen] != lane._lim_gen:  # _ensure_room, inline
             lane._make_room(1, i)  # COMPILED(room)
         s = i % lane._C
-        # INLINE COPY of slots.claim + slots.write_row (a call costs ~5% of a mujoco add). It
-        # omits store_fence(), a no-op on the only CPUs check_platform admits; tests/test_slots.py
-        # pins this copy to slots.py and fails once store_fence() gets a body.
-        if i >= lane._reserved:
-            lane._reserved = i + 1
-            q[lane._w_reserved] = i + 1
-        stamp = lane._stamp0 + s
-        q[stamp] = 2 * i + 1
-        for col, v in zip(lane._cols, values):  # COMPILED(stores)
-            col[s] = v
-        q[lane._meta0 + s] = lane._episode_bits | (lane._step & L.STEP_MASK)
-        q[stamp] = 2 * i + 2
-        q[lane._w_committed] = i + 1
-        # END OF INLINE COPY
+        if i >= q[lane._w_reserved]:
+            slots.claim(q, lane._w_reserved, i + 1)
+        slots.write_row(q, lane._stamp0 + s, lane._meta0 + s, lane._w_committed, i, lane._cols,
+                        s, values, lane._episode_bits | (lane._step & L.STEP_MASK))
         lane._next = i + 1
         lane._step += 1
         if lane._derived:  # COMPILED(derived)
@@ -381,8 +377,7 @@ class Writer(LaneWriter):
         first = i0 + skip
         end = i0 + n
         q = self._words
-        if end > self._reserved:
-            self._reserved = end
+        if end > q[self._w_reserved]:
             slots.claim(q, self._w_reserved, end)
         if self._ramp.shape[0] < keep:
             self._grow_ramp(keep)
@@ -437,8 +432,6 @@ class Writer(LaneWriter):
         self._next = self._finish_episodes(self.lane, ended, self._step, self._next, truncated,
                                            None if values is None else [values],
                                            self._last_next_obs if self._derived else None)
-        if self._derived:  # its FINAL row claimed a slot
-            self._reserved = max(self._reserved, self._next)
         self.episode += 1
         self._episode_bits = self.episode << L.STEP_BITS
         self._step = 0
@@ -450,8 +443,8 @@ class Writer(LaneWriter):
 
     def _drop_views(self) -> None:
         super()._drop_views()
-        self._cols = self._row_columns = []
-        self._stamps = self._meta = None  # type: ignore[assignment]
+        self._cols = []
+        self._stamps = self._meta = self._put = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"next={self._next}"

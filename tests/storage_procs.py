@@ -59,6 +59,7 @@ def writer_main(buf: shmbuf.ReplayBuffer, lane: int, barrier: Any, first_commit:
     barrier.wait(60)
     adds = extends = 0
     with buf.writer(lane=lane, timeout=10) as w:
+        compiled = w._put is not None  # add's stores in C (_add_c.c), where it was built
         while not stop.is_set():
             if rng.random() < 0.3:
                 for _ in range(int(rng.integers(1, 16))):
@@ -74,7 +75,8 @@ def writer_main(buf: shmbuf.ReplayBuffer, lane: int, barrier: Any, first_commit:
             if not first_commit.is_set():
                 first_commit.set()
         committed = w.committed
-    results.put(("writer", lane, {"committed": committed, "adds": adds, "extends": extends}))
+    results.put(("writer", lane, {"committed": committed, "adds": adds, "extends": extends,
+                                  "compiled_add": compiled}))
 
 
 def reader_main(buf: shmbuf.ReplayBuffer, reader: int, barrier: Any, first_commits: list,

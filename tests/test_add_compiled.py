@@ -1,7 +1,10 @@
 """The compiled ``Writer.add`` (``shmbuf.addcompile``): what a normal writer runs; specs whose
 field names would shadow the method's names fall back to the plain method; every input stores
 byte-identical rows to the plain ``Writer.add`` and every bad input raises the same error and
-changes nothing; a one-env ``VectorWriter`` stores what ``Writer.add`` stores.
+changes nothing; a one-env ``VectorWriter`` stores what ``Writer.add`` stores. Every test runs
+twice: with the compiled store of a whole row (``_add_c.c``) in front, and without it, as where
+no compiler was at hand. The usual inputs take the compiled store; the rest, and waits for
+room, take the Python path.
 """
 
 from __future__ import annotations
@@ -12,11 +15,23 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf import addcompile, slots
 from shmbuf.writer import Writer
 
 DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
           "float16", "float32", "float64"]
 SHAPES = [(), (1,), (3,), (2, 3)]
+
+
+@pytest.fixture(params=["compiled", "python"], autouse=True)
+def store_path(request, monkeypatch):
+    """The compiled store of a whole row (``_add_c``, skipped where it was not built), or the
+    Python path alone."""
+    if request.param == "compiled" and addcompile.RowPut is None:
+        pytest.skip("_add_c was not built")
+    if request.param == "python":
+        monkeypatch.setattr(addcompile, "RowPut", None)
+    return request.param
 
 
 @contextlib.contextmanager
@@ -27,6 +42,7 @@ def twin_buffers(spec, **kw):
             shmbuf.ReplayBuffer.create(spec, capacity=64, **kw) as b:
         with a.writer(lane=0) as wa, b.writer(lane=0) as wb:
             assert type(wa).add is not Writer.add and hasattr(type(wa).add, "__source__")
+            assert (wa._put is None) == (addcompile.RowPut is None)
             yield a, b, wa, wb
 
 
@@ -139,7 +155,7 @@ def test_bad_input_raises_the_same_typed_error_and_changes_nothing(k):
         assert add_both(wa, wb, good) == 1  # and the writer goes on
 
 
-@pytest.mark.parametrize("name", ["lane", "i", "q", "s", "stamp", "np", "values", "fields"])
+@pytest.mark.parametrize("name", ["lane", "i", "q", "s", "slots", "L", "np", "values", "fields"])
 def test_a_field_named_like_a_name_of_the_method_falls_back_to_the_plain_add(name):
     spec = shmbuf.Spec({name: ((), "int64"), "x": ((2,), "float32")})
     with shmbuf.ReplayBuffer.create(spec, capacity=8) as buf:
@@ -196,3 +212,128 @@ def test_one_env_rows_of_each_usual_making_take_the_fast_path(make_row, monkeypa
         got = buf.get(np.array([0]), 0)
         for k, x in row.items():
             np.testing.assert_array_equal(got[k][0], x)
+
+
+# --------------------------------------------------------------------------------------------
+# Which inputs the compiled store takes
+# --------------------------------------------------------------------------------------------
+USUAL = shmbuf.Spec(obs=((5,), "float32"), img=((2, 3), "uint8"), action=((), "int64"),
+                    reward=((), "float32"), done=((), "bool"), value=((), "float64"))
+
+
+def usual_row(t: int) -> dict:
+    return {"obs": np.full(5, t, np.float32), "img": np.full((2, 3), t % 256, np.uint8),
+            "action": t, "reward": 0.5 * t, "done": t % 3 == 0, "value": -1.5 * t}
+
+
+@contextlib.contextmanager
+def counting_python_path(monkeypatch):
+    """Counts the rows stored through ``slots.write_row`` (the Python path) and the waits
+    for room."""
+    counts = {"write_row": 0, "room": 0}
+    write_row, make_room = slots.write_row, Writer._make_room
+
+    def counted_write_row(*args):
+        counts["write_row"] += 1
+        write_row(*args)
+
+    def counted_room(self, *args):
+        counts["room"] += 1
+        make_room(self, *args)
+
+    monkeypatch.setattr(slots, "write_row", counted_write_row)
+    monkeypatch.setattr(Writer, "_make_room", counted_room)
+    yield counts
+
+
+def test_the_usual_inputs_take_the_compiled_store_and_others_the_python_path(store_path,
+                                                                             monkeypatch):
+    """Arrays of the field's dtype, Python numbers that fit and the field's own NumPy scalars
+    skip the Python path; a value to convert takes it, and stores what it always did."""
+    if store_path != "compiled":
+        pytest.skip("the compiled store's own inputs")
+    own = {"obs": np.zeros(5, np.float32), "img": np.zeros((2, 3), np.uint8),
+           "action": np.int64(7), "reward": np.float32(2.5), "done": np.bool_(True),
+           "value": np.float64(3.0)}
+    converted = [("obs", np.arange(5.0)), ("action", np.int32(3)), ("reward", np.float64(1.0)),
+                 ("img", np.eye(2, 3, dtype=bool)), ("value", 2**70)]
+    with shmbuf.ReplayBuffer.create(USUAL, capacity=64) as buf, buf.writer() as w, \
+            counting_python_path(monkeypatch) as counts:
+        for t in range(10):
+            w.add(**usual_row(t))
+        w.add(**own)
+        assert counts == {"write_row": 1, "room": 1}  # the first add: room from the limiter
+        for k, (name, value) in enumerate(converted):
+            w.add(**{**usual_row(20 + k), name: value})
+            assert counts["write_row"] == 2 + k, name
+        rows = buf.get(np.arange(11, 11 + len(converted)))
+        for k, (name, value) in enumerate(converted):
+            np.testing.assert_array_equal(rows[name][k], np.asarray(value, USUAL[name].dtype))
+
+
+def test_room_from_the_rate_limiter_is_the_python_paths_business(store_path, monkeypatch):
+    """The compiled store stores nothing once the room granted is used up or void (a new
+    limiter generation); the Python path then waits for room as it always did."""
+    with shmbuf.ReplayBuffer.create(USUAL, capacity=64) as buf, buf.writer() as w, \
+            counting_python_path(monkeypatch) as counts:
+        w.add(**usual_row(0))
+        w.add(**usual_row(1))
+        assert counts["room"] == 1
+        w._room_until = w.committed  # used up
+        w.add(**usual_row(2))
+        w._lim_gen = -1  # void: the pool changed the limit
+        w.add(**usual_row(3))
+        w.add(**usual_row(4))
+        assert counts["room"] == 3
+        assert counts["write_row"] == (3 if store_path == "compiled" else 5)
+        assert buf.get(np.arange(5))["action"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_closed_writer_lets_the_buffer_unmap_its_segment(recwarn):
+    """The compiled store holds the segment's memory: closing the writer lets it go, so the
+    buffer unmaps without its "stays mapped" warning."""
+    buf = shmbuf.ReplayBuffer.create(USUAL, capacity=8)
+    w = buf.writer()
+    w.add(**usual_row(0))
+    w.close()
+    with pytest.raises(shmbuf.ClosedError):
+        w.add(**usual_row(1))
+    buf.close()
+    assert not [str(x.message) for x in recwarn if "stays mapped" in str(x.message)]
+
+
+def test_row_put_refuses_what_does_not_fit_its_lane(store_path):
+    if store_path != "compiled":
+        pytest.skip("_add_c's own checks")
+    words = memoryview(bytearray(8 * 64)).cast("q")
+    at = (0, 1, 2, 8, 16, 8, (1 << 40) - 1)  # committed, reserved, lim_gen, stamps, meta, C
+    f32 = np.dtype(np.float32)
+
+    def field(dest, shape=(3,), numbers=False):
+        return (f32, shape, dest, 4 * int(np.prod(shape)), False, numbers, False, False, 1, 0,
+                1.0, 0.0)
+
+    addcompile.RowPut(words, at, [field(np.zeros((8, 3), f32))])  # fits
+    with pytest.raises(ValueError, match="destination"):
+        addcompile.RowPut(words, at, [field(np.zeros((7, 3), f32))])
+    with pytest.raises(ValueError, match="outside the segment"):
+        addcompile.RowPut(words, (0, 1, 2, 8, 60, 8, 1), [field(np.zeros((8, 3), f32))])
+    with pytest.raises(ValueError, match="scalar"):
+        addcompile.RowPut(words, at, [field(np.zeros((8, 3), f32), numbers=True)])
+    with pytest.raises(ValueError, match="fields"):
+        addcompile.RowPut(words, at,
+                          [field(np.zeros((8, 3), f32))] * (addcompile.PUT_MAX_FIELDS + 1))
+    put = addcompile.RowPut(words, at, [field(np.zeros((8, 3), f32))]).put
+    assert put(0, 0, 0, 0, 0, np.ones(3, f32)) is None  # no room: nothing stored
+    assert not any(words.tolist())
+
+
+def test_ci_builds_the_compiled_store(store_path):
+    """Where ``SHMBUF_REQUIRE_COMPILED`` is set (``.ci/run``), ``_add_c`` must have been built."""
+    import os
+
+    if store_path == "python" or not os.environ.get("SHMBUF_REQUIRE_COMPILED"):
+        pytest.skip("SHMBUF_REQUIRE_COMPILED is not set")
+    assert addcompile.RowPut is not None
+    with shmbuf.ReplayBuffer.create(USUAL, capacity=4) as buf, buf.writer() as w:
+        assert w._put is not None

@@ -1,7 +1,8 @@
 """The seqlock in ``shmbuf.slots``: a row is readable only once stamped even and published, an odd
 slot left by a dead writer is never trusted, a new writer restamps idempotently, ``clear`` and
-restores leave the windows they always did; ``Writer.add``'s inline copy leaves the same words
-as ``slots.write_row``; and no other module of shmbuf stores a stamp, claim or ``committed``."""
+restores leave the windows they always did; ``Writer.add`` (its compiled store, ``_add_c.c``,
+where built) leaves the same words as ``slots.write_row``; and no other module of shmbuf stores a
+stamp, claim or ``committed``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf import addcompile, slots
 from shmbuf import layout as L
-from shmbuf import slots
 
 SPEC = shmbuf.Spec(x=((), "int64"), obs=((3,), "float32"))
 C = 8
@@ -144,13 +145,14 @@ def test_ring_stamps_agree_with_row_stamps():
 
 
 # --------------------------------------------------------------------------------------------
-# The inline copy in Writer.add and the vector writer leave slots.write_row's words
+# Writer.add (compiled: _add_c.c) and the vector writer leave slots.write_row's words
 # --------------------------------------------------------------------------------------------
-def test_writer_add_inline_copy_leaves_the_words_of_slots_write_row():
+def test_writer_add_leaves_the_words_of_slots_write_row():
     n = 2 * C + 3  # wraps twice
-    with shmbuf.ReplayBuffer.create(SPEC, capacity=C) as inline, \
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=C) as added, \
             shmbuf.ReplayBuffer.create(SPEC, capacity=C) as reference:
-        with inline.writer() as w:
+        with added.writer() as w:
+            assert (w._put is None) == (addcompile.RowPut is None)
             for i in range(n):
                 w.add(**row(i))
         with reference.writer() as w:
@@ -163,7 +165,7 @@ def test_writer_add_inline_copy_leaves_the_words_of_slots_write_row():
                                 list(row(i).values()), L.pack_meta(0, i))
             w._next = n  # (the writer's own count, so that its close() is ordinary)
             del cols
-        assert words_of(inline) == words_of(reference)
+        assert words_of(added) == words_of(reference)
 
 
 def test_extend_and_add_leave_the_same_words():
@@ -227,21 +229,6 @@ def test_vector_and_single_writers_end_episodes_alike():
         assert got.keys() == want.keys() and got["episode"].size == 7
         for name in want:
             assert got[name].tolist() == want[name].tolist(), name
-
-
-def test_the_inline_copy_is_valid_only_while_store_fence_is_a_no_op():
-    """``Writer.add`` inlines ``write_row`` without the fence calls. Once ``store_fence`` (or
-    ``load_fence``) gets a body, this fails: make ``Writer.add`` call ``slots.write_row``."""
-    tree = ast.parse((PACKAGE / "slots.py").read_text())
-    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
-        if fn.name in ("store_fence", "load_fence"):
-            body = fn.body
-            assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(
-                body[0].value, ast.Constant), (
-                f"slots.{fn.name} has a body now: Writer.add's inline copy of write_row skips "
-                f"it. Replace the copy with a call to slots.write_row")
-    source = (PACKAGE / "writer.py").read_text()
-    assert source.count("INLINE COPY of slots.claim + slots.write_row") == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,8 +338,6 @@ def test_read_windows_loads_the_claim_before_committed():
 # Nothing else in shmbuf stores a seqlock word
 # --------------------------------------------------------------------------------------------
 SEQLOCK_WORD = re.compile(r"stamp|committed|reserved", re.IGNORECASE)
-# The one allowed store site outside slots.py: the inline copy in Writer.add.
-INLINE_COPIES = {("writer.py", "Writer.add")}
 
 
 def _names(node: ast.AST) -> list[str]:
@@ -414,18 +399,16 @@ def _stores(tree: ast.AST) -> list[tuple[str, int, str]]:
 
 
 def test_only_slots_stores_stamps_claims_and_committed():
-    offenders, inline = [], []
+    """No Python code stores a seqlock word but slots.py's (the compiled twin of ``write_row``
+    in ``_add_c.c`` is held to it byte for byte by tests/test_add_compiled.py)."""
+    offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         if rel == "slots.py":
             continue
         for where, line, target in _stores(ast.parse(path.read_text())):
-            if (rel, where) in INLINE_COPIES:
-                inline.append(target)
-            else:
-                offenders.append(f"shmbuf/{rel}:{line} ({where}) stores {target}")
+            offenders.append(f"shmbuf/{rel}:{line} ({where}) stores {target}")
     assert not offenders, "seqlock stores outside slots.py:\n" + "\n".join(offenders)
-    assert inline, "Writer.add has no inline copy any more: drop it from INLINE_COPIES"
 
 
 def test_the_store_scan_sees_the_stores_it_must_refuse():

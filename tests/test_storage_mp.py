@@ -1,12 +1,14 @@
-"""Many processes on one buffer at once: writers on their own lanes, readers sampling, under fork,
-forkserver and spawn. Every row checks itself, so any torn or misplaced row a reader accepts is
-counted; the test demands zero."""
+"""Many processes on one buffer at once: writers on their own lanes (``add`` through its
+compiled store where ``_add_c`` was built), readers sampling, under fork, forkserver and spawn.
+Every row checks itself, so any torn or misplaced row a reader accepts is counted; the test
+demands zero."""
 
 from __future__ import annotations
 
 import numpy as np
 
 import shmbuf
+from shmbuf import addcompile
 from tests import storage_procs as procs
 
 WRITERS = 4
@@ -61,6 +63,7 @@ def test_four_writers_two_readers_never_deliver_a_torn_row(mp):
         for k in range(WRITERS):
             rep = by_kind["writer"][k]
             assert rep["extends"] > 0 and rep["adds"] > 0
+            assert rep["compiled_add"] == (addcompile.RowPut is not None)
             assert committed[k] == rep["committed"]
         win = buf.windows()
         assert (win.sizes == CAPACITY).all()
