@@ -10,7 +10,8 @@
  *     C-contiguous;
  *   - for scalar fields (not one-env): the field's own NumPy scalar type; Python bool where the
  *     field takes it; Python int and float inside the ranges rowcheck.fast_scalars gives,
- *     converted as NumPy converts them (an int into a float field through a double).
+ *     converted as NumPy converts them (an int into a float field through a double), except
+ *     Python floats into float16 fields and ints of more than 64 bits;
  * and only while the room granted by the rate limiter lasts (index < room_until, generation
  * unchanged): the Python path waits for more.
  *
@@ -132,11 +133,21 @@ static int take(const Field *f, PyObject *v, const char **src, char *scratch) {
     } else if (PyLong_CheckExact(v)) {
         int overflow;
         long long ll = PyLong_AsLongLongAndOverflow(v, &overflow);
-        if (overflow || (ll == -1 && PyErr_Occurred())) {
+        if (ll == -1 && PyErr_Occurred()) {
             PyErr_Clear();
             return 0;
         }
-        if (ll < f->int_lo || ll > f->int_hi) return 0;
+        if (overflow > 0 && f->kind == 'u' && f->itemsize == 8 && f->int_lo <= f->int_hi) {
+            unsigned long long ull = PyLong_AsUnsignedLongLong(v);  /* 2**63 .. 2**64 - 1 */
+            if (ull == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 0;
+            }
+            memcpy(scratch, &ull, 8);
+            *src = scratch;
+            return 1;
+        }
+        if (overflow || ll < f->int_lo || ll > f->int_hi) return 0;
         put_number(f, 0, 0.0, ll, scratch);
     } else {
         return 0;

@@ -119,8 +119,10 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
     source of ``method``, whose COMPILED(...) lines it replaces: a keyword parameter per field
     (no dict of keyword arguments); first, where ``puts_rows``, one call of ``self._put`` (a
     ``row_put``) that checks and stores the row; else, or where that call stored nothing,
-    ``fast_check`` per field with the full checker (``_add_checked``) only where one is false,
-    then ``slots.write_row``. With ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every
+    ``fast_check`` per field with the full checker (``_add_checked``, which also converts each
+    value to its field's dtype where the call exists) only where one is false, room from the
+    rate limiter, the call again with the checked values (not ``one_env``), and else
+    ``slots.write_row``. With ``one_env``, the ``add`` of a one-env ``VectorWriter`` (every
     field ``[1, ...]``, the index returned as an array of one), on its lane's ``Writer``. None
     where field names cannot be parameters (not identifiers, keywords, or names of the
     method's locals)."""
@@ -156,10 +158,18 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
         "        lane._next = i + 1",
         "        lane._step += 1",
         *(f"        {r}" for r in ret)]
+    put_checked = [] if not put or one_env else [
+        "_i = self._put(i, lane._room_until, lane._lim_gen, lane._episode_bits, lane._step, "
+        "*values)",
+        "if _i is not None:",
+        "    lane._next = i + 1",
+        "    lane._step += 1",
+        "    return i"]
     rows = "".join(f"{n}[0], " for n in names) if one_env else given  # one_env: [1, ...] each
     replace = {
         "lane": ["lane = self._lane" if one_env else "lane = self"],
         "put": put,
+        "put_checked": put_checked,
         "check": ["try:",
                   "    _fast = lane._closed_reason is None and not fields and (",
                   *(f"        {c}{' and' if k < len(checks) - 1 else ''}"

@@ -83,6 +83,7 @@ class LaneWriter:
         # extend's store per field: streamed for large rows (None: NumPy's)
         self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
+        self._put: Callable[..., int | None] | None = None  # a Writer's compiled store
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
@@ -135,7 +136,11 @@ class LaneWriter:
         fields = {name: v for name, v in zip(self._field_names, given) if v is not _MISSING}
         fields.update(extra)
         if not one_env:
-            return self._check_row(fields)
+            values = self._check_row(fields)
+            if self._put is not None:  # the compiled store takes only each field's own dtype
+                values = [np.asarray(v, f.dtype, order="C")  # (0-d stays 0-d)
+                          for v, f in zip(values, self._checker.fields)]
+            return values
         n, arrays = self._check_batch(fields)
         if n != 1:
             raise SpecMismatchError(
@@ -342,6 +347,7 @@ class Writer(LaneWriter):
         q = lane._words
         if i >= lane._room_until or q[lane._w_lim_gen] != lane._lim_gen:  # _ensure_room, inline
             lane._make_room(1, i)  # COMPILED(room)
+        # COMPILED(put_checked): the same call with the checked values, now of the fields' dtypes
         s = i % lane._C
         if i >= q[lane._w_reserved]:
             slots.claim(q, lane._w_reserved, i + 1)

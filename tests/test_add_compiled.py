@@ -90,13 +90,29 @@ def inputs_for(dtype: np.dtype, shape: tuple, rng: np.random.Generator) -> list:
     return out
 
 
+def python_stores_of(writer, monkeypatch) -> list:
+    """Records each row ``slots.write_row`` stores into ``writer``'s lane."""
+    stored, write_row = [], slots.write_row
+
+    def recorded(*args):
+        if args[5] is writer._cols:
+            stored.append(args[4])
+        write_row(*args)
+
+    monkeypatch.setattr(slots, "write_row", recorded)
+    return stored
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_input_stores_byte_identical_rows_to_the_plain_add(dtype):
+def test_every_input_stores_byte_identical_rows_to_the_plain_add(dtype, store_path, monkeypatch):
+    """... and where the compiled store exists, it stores every row the checker lets through
+    (converted to the field's dtype first where needed): the Python stores are not used."""
     rng = np.random.default_rng(DTYPES.index(dtype))
     dt = np.dtype(dtype)
     spec = shmbuf.Spec({f"f{k}": (shape, dtype) for k, shape in enumerate(SHAPES)}
                        | {"tag": ((), "int64")})
     with twin_buffers(spec) as (a, b, wa, wb):
+        python_stored = python_stores_of(wa, monkeypatch)
         for k, shape in enumerate(SHAPES):
             for value in inputs_for(dt, shape, rng):
                 row = {f"f{j}": np.zeros(s, dtype) for j, s in enumerate(SHAPES)}
@@ -105,6 +121,10 @@ def test_every_input_stores_byte_identical_rows_to_the_plain_add(dtype):
                 add_both(wa, wb, row)
                 assert segment_bytes(a) == segment_bytes(b), (shape, type(value), value)
         assert wa.committed > 20
+        if store_path == "python":
+            assert len(python_stored) == wa.committed
+        elif dtype != "float16":  # (Python numbers into float16 are NumPy's to convert)
+            assert python_stored == []
 
 
 def test_mixed_spec_with_derived_next_obs_stores_the_same_rows_and_final_rows():
@@ -228,28 +248,29 @@ def usual_row(t: int) -> dict:
 
 @contextlib.contextmanager
 def counting_python_path(monkeypatch):
-    """Counts the rows stored through ``slots.write_row`` (the Python path) and the waits
-    for room."""
-    counts = {"write_row": 0, "room": 0}
-    write_row, make_room = slots.write_row, Writer._make_room
+    """Counts the rows the full checker took (``_add_checked``), the rows stored through
+    ``slots.write_row`` and the waits for room."""
+    counts = {"checked": 0, "write_row": 0, "room": 0}
+    add_checked, write_row, make_room = Writer._add_checked, slots.write_row, Writer._make_room
 
-    def counted_write_row(*args):
-        counts["write_row"] += 1
-        write_row(*args)
+    def counted(key, fn):
+        def call(*args):
+            counts[key] += 1
+            return fn(*args)
+        return call
 
-    def counted_room(self, *args):
-        counts["room"] += 1
-        make_room(self, *args)
-
-    monkeypatch.setattr(slots, "write_row", counted_write_row)
-    monkeypatch.setattr(Writer, "_make_room", counted_room)
+    monkeypatch.setattr(Writer, "_add_checked", counted("checked", add_checked))
+    monkeypatch.setattr(slots, "write_row", counted("write_row", write_row))
+    monkeypatch.setattr(Writer, "_make_room", counted("room", make_room))
     yield counts
 
 
-def test_the_usual_inputs_take_the_compiled_store_and_others_the_python_path(store_path,
-                                                                             monkeypatch):
+def test_the_usual_inputs_take_the_compiled_store_and_the_checked_ones_too(store_path,
+                                                                          monkeypatch):
     """Arrays of the field's dtype, Python numbers that fit and the field's own NumPy scalars
-    skip the Python path; a value to convert takes it, and stores what it always did."""
+    go straight to the compiled store; a value to convert takes the full checker, which gives
+    the compiled store values of the fields' dtypes: it stores every row (atari rows stay
+    streamed), and they hold what the Python path stores (the byte-identity tests above)."""
     if store_path != "compiled":
         pytest.skip("the compiled store's own inputs")
     own = {"obs": np.zeros(5, np.float32), "img": np.zeros((2, 3), np.uint8),
@@ -262,10 +283,10 @@ def test_the_usual_inputs_take_the_compiled_store_and_others_the_python_path(sto
         for t in range(10):
             w.add(**usual_row(t))
         w.add(**own)
-        assert counts == {"write_row": 1, "room": 1}  # the first add: room from the limiter
+        assert counts == {"checked": 0, "write_row": 0, "room": 1}  # room: the first add
         for k, (name, value) in enumerate(converted):
             w.add(**{**usual_row(20 + k), name: value})
-            assert counts["write_row"] == 2 + k, name
+            assert counts == {"checked": 1 + k, "write_row": 0, "room": 1}, name
         rows = buf.get(np.arange(11, 11 + len(converted)))
         for k, (name, value) in enumerate(converted):
             np.testing.assert_array_equal(rows[name][k], np.asarray(value, USUAL[name].dtype))
@@ -273,7 +294,8 @@ def test_the_usual_inputs_take_the_compiled_store_and_others_the_python_path(sto
 
 def test_room_from_the_rate_limiter_is_the_python_paths_business(store_path, monkeypatch):
     """The compiled store stores nothing once the room granted is used up or void (a new
-    limiter generation); the Python path then waits for room as it always did."""
+    limiter generation); the Python path waits for room as it always did, then stores the row
+    (through the compiled store where there is one)."""
     with shmbuf.ReplayBuffer.create(USUAL, capacity=64) as buf, buf.writer() as w, \
             counting_python_path(monkeypatch) as counts:
         w.add(**usual_row(0))
@@ -284,8 +306,8 @@ def test_room_from_the_rate_limiter_is_the_python_paths_business(store_path, mon
         w._lim_gen = -1  # void: the pool changed the limit
         w.add(**usual_row(3))
         w.add(**usual_row(4))
-        assert counts["room"] == 3
-        assert counts["write_row"] == (3 if store_path == "compiled" else 5)
+        assert counts == {"checked": 0, "room": 3,
+                          "write_row": 0 if store_path == "compiled" else 5}
         assert buf.get(np.arange(5))["action"].tolist() == [0, 1, 2, 3, 4]
 
 
