@@ -65,8 +65,12 @@ typedef struct {
 
 static inline int64_t load_word(const int64_t *w) { return __atomic_load_n(w, __ATOMIC_RELAXED); }
 static inline void store_word(int64_t *w, int64_t v) { __atomic_store_n(w, v, __ATOMIC_RELAXED); }
-/* Stores before it stay before stores after it: a compiler barrier on x86-64 (TSO). */
-static inline void store_order(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+/* Stores before it stay before stores after it: on x86-64 (TSO) a compiler barrier, which
+ * the asm makes explicit for the plain stores of memcpy too. */
+static inline void store_order(void) {
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __asm__ __volatile__("" ::: "memory");
+}
 
 static void release_views(RowPut *self) {
     for (Py_ssize_t k = 0; k < self->nfields; k++) {

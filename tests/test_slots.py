@@ -426,3 +426,34 @@ def f(self, q, stamps, table, buf, add, one):
     self._stamps += 1
 """
     assert len(_stores(ast.parse(code))) == 9
+
+
+def test_the_compiled_twin_stores_in_write_rows_order():
+    """``_add_c.c``'s ``put`` (``Writer.add`` where it was built) is the one write path outside
+    this module. Its stores, read from its source, come in ``claim`` + ``write_row``'s order,
+    with a store barrier after the odd stamp, before the even one and before ``committed``, and
+    sfences around the streamed bytes. The byte-identity tests show what it stores, not when:
+    this pins the when."""
+    source = (PACKAGE / "_add_c.c").read_text()
+    body = source[source.index("static PyObject *rowput_put("):]
+    body = body[body.index("long long s = i % self->capacity;"):body.index("return PyLong")]
+    steps = [
+        "store_word(w + self->w_reserved, i + 1)",  # claim
+        "store_word(w + self->stamp0 + s, 2 * i + 1)",  # odd stamp
+        "store_order()",
+        "_mm_sfence()",
+        "stream_copy(dst, src[k], f->nbytes)",  # the row
+        "memcpy(dst, src[k], (size_t)f->nbytes)",
+        "_mm_sfence()",
+        "store_word(w + self->meta0 + s,",  # meta
+        "store_order()",
+        "store_word(w + self->stamp0 + s, 2 * i + 2)",  # even stamp
+        "store_order()",
+        "store_word(w + self->w_committed, i + 1)",  # committed
+    ]
+    at = 0
+    for step in steps:
+        found = body.find(step, at)
+        assert found >= 0, f"_add_c.c's put: {step!r} missing or out of order"
+        at = found + len(step)
+    assert body.count("store_word(") == 5, "a store to a seqlock word this test does not place"
