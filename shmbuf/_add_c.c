@@ -58,6 +58,7 @@ typedef struct {
     Py_ssize_t w_committed, w_reserved, w_lim_gen, stamp0, meta0;
     long long capacity, step_mask;
     int any_stream;
+    int one_env; /* a one-env VectorWriter's: put returns the index as an int64 array of one */
     Py_ssize_t nfields;
     Field fields[MAX_FIELDS];
     Py_buffer dest_views[MAX_FIELDS];
@@ -165,7 +166,8 @@ static int as_ll(PyObject *o, long long *out) {
     return !(*out == -1 && PyErr_Occurred());
 }
 
-/* put(index, room_until, lim_gen, episode_bits, step, *values) -> index or None */
+/* put(index, room_until, lim_gen, episode_bits, step, *values) -> index (one_env: an int64
+ * array of one) or None */
 static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 + self->nfields) {
         PyErr_Format(PyExc_TypeError, "put() takes 5 + %zd arguments (%zd given)",
@@ -206,6 +208,12 @@ static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t narg
     store_word(w + self->stamp0 + s, 2 * i + 2);
     store_order();
     store_word(w + self->w_committed, i + 1);
+    if (self->one_env) {
+        npy_intp one = 1;
+        PyObject *index = PyArray_SimpleNew(1, &one, NPY_INT64);
+        if (index) *(int64_t *)PyArray_DATA((PyArrayObject *)index) = i;
+        return index;
+    }
     return PyLong_FromLongLong(i);
 }
 
@@ -225,20 +233,21 @@ static int word_index(Py_ssize_t at, Py_ssize_t count, const Py_buffer *view, co
 }
 
 /* RowPut(words, (w_committed, w_reserved, w_lim_gen, stamp0, meta0, capacity, step_mask),
- *        fields): words is the segment as a writable buffer of int64 words; fields a sequence
+ *        fields, one_env=False): words is the segment as a writable buffer of int64 words; fields a sequence
  * of (dtype, shape, dest, stride, stream, numbers, bool_ok, float_any, int_lo, int_hi,
  * float_lo, float_hi) per field, dest a writable C-contiguous buffer holding capacity rows
  * (stride = row bytes) or one (stride 0). Built by addcompile.row_put. */
 static int rowput_init(RowPut *self, PyObject *args, PyObject *kwds) {
     PyObject *words_o, *fields_o;
+    int one_env = 0;
     Py_ssize_t w_committed, w_reserved, w_lim_gen, stamp0, meta0;
     long long capacity, step_mask;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "RowPut() takes no keyword arguments");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O(nnnnnLL)O", &words_o, &w_committed, &w_reserved, &w_lim_gen,
-                          &stamp0, &meta0, &capacity, &step_mask, &fields_o))
+    if (!PyArg_ParseTuple(args, "O(nnnnnLL)O|p", &words_o, &w_committed, &w_reserved, &w_lim_gen,
+                          &stamp0, &meta0, &capacity, &step_mask, &fields_o, &one_env))
         return -1;
     release_views(self);
     if (capacity <= 0) {
@@ -264,6 +273,7 @@ static int rowput_init(RowPut *self, PyObject *args, PyObject *kwds) {
     self->w_committed = w_committed, self->w_reserved = w_reserved, self->w_lim_gen = w_lim_gen;
     self->stamp0 = stamp0, self->meta0 = meta0, self->capacity = capacity;
     self->step_mask = step_mask;
+    self->one_env = one_env;
     self->any_stream = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         Field *f = &self->fields[k];
@@ -333,8 +343,9 @@ fail:
 
 static PyMethodDef rowput_methods[] = {
     {"put", (PyCFunction)(void (*)(void))rowput_put, METH_FASTCALL,
-     "put(index, room_until, lim_gen, episode_bits, step, *values) -> index or None: check "
-     "and store one row, or store nothing and return None."},
+     "put(index, room_until, lim_gen, episode_bits, step, *values) -> index (an int64 array "
+     "of one for a one-env writer's) or None: check and store one row, or store nothing and "
+     "return None."},
     {"release", (PyCFunction)rowput_release, METH_NOARGS,
      "Let go of the segment's and the columns' memory (put() raises after)."},
     {NULL, NULL, 0, NULL},

@@ -92,12 +92,13 @@ def puts_rows(checker: RowChecker) -> bool:
 
 
 def row_put(checker: RowChecker, words: Any, at: tuple[int, ...], columns: Sequence[np.ndarray],
-            pending: np.ndarray | None, one_env: bool) -> Callable[..., int | None]:
+            pending: np.ndarray | None, one_env: bool) -> Callable[..., Any]:
     """``RowPut(...).put`` for one lane: ``words`` the segment's words; ``at`` the lane's
     (committed, reserved, limiter generation, first stamp, first meta word) word offsets, its
     capacity and the step mask; ``columns`` the lane's column per stored field; ``pending`` the
     row a derived buffer keeps of the last next_obs (its last field, not stored), else None.
-    The field checks are ``fast_check``'s (``one_env``: rows of ``[1, *shape]``)."""
+    The field checks are ``fast_check``'s (``one_env``: rows of ``[1, *shape]``, and the index
+    returned as an int64 array of one, as a one-env ``add`` returns it)."""
     dests = [(col, 1) for col in columns] + ([(pending, 0)] if pending is not None else [])
     fields = []
     for f, (dest, per_slot) in zip(checker.fields, dests, strict=True):
@@ -109,7 +110,7 @@ def row_put(checker: RowChecker, words: Any, at: tuple[int, ...], columns: Seque
         fields.append((f.dtype, (1, *f.shape) if one_env else f.shape, dest, nbytes * per_slot,
                        nbytes >= STREAM_MIN_ROW_BYTES, numbers, bool in types, float in types,
                        max(int_lo, _INT64[0]), min(int_hi, _INT64[1]), f_lo, f_hi))
-    return RowPut(words, at, fields).put  # type: ignore[no-any-return]
+    return RowPut(words, at, fields, one_env).put  # type: ignore[no-any-return]
 
 
 def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
@@ -152,12 +153,13 @@ def compiled_add(method: Callable[..., Any], checker: RowChecker, derived: bool,
     ret = ["_r = _ONE_INDEX.copy()", "_r[0] = i", "return _r"] if one_env else ["return i"]
     put = [] if not puts_rows(checker) else [
         "if lane._closed_reason is None and not fields:",
-        "    i = self._put(lane._next, lane._room_until, lane._lim_gen, lane._episode_bits, "
+        "    i = lane._next",
+        "    _r = self._put(i, lane._room_until, lane._lim_gen, lane._episode_bits, "
         f"lane._step, {given})",
-        "    if i is not None:",
+        "    if _r is not None:",  # i, or for one_env the index array
         "        lane._next = i + 1",
         "        lane._step += 1",
-        *(f"        {r}" for r in ret)]
+        "        return _r"]
     put_checked = [] if not put or one_env else [
         "_i = self._put(i, lane._room_until, lane._lim_gen, lane._episode_bits, lane._step, "
         "*values)",

@@ -83,7 +83,7 @@ class LaneWriter:
         # extend's store per field: streamed for large rows (None: NumPy's)
         self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
-        self._put: Callable[..., int | None] | None = None  # a Writer's compiled store
+        self._put: Callable[..., Any] | None = None  # a Writer's compiled store
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
@@ -295,7 +295,7 @@ class Writer(LaneWriter):
         self._step = committed - start
         self._episode_bits = episode << L.STEP_BITS
 
-    def _row_put(self, one_env: bool) -> Callable[..., int | None]:
+    def _row_put(self, one_env: bool) -> Callable[..., Any]:
         """``addcompile.row_put`` for this lane: the compiled ``add``'s check and stores of one
         row, with the words, columns and pending next_obs row of this lane."""
         at = (self._w_committed, self._w_reserved, self._w_lim_gen, self._stamp0, self._meta0,

@@ -204,6 +204,7 @@ def test_one_env_vector_writer_stores_what_writer_add_stores_and_rejects_two_row
                        "img": rng.integers(0, 255, (2, 2)).astype(np.uint8)}
                 got = v.add(**{k: np.asarray(x, spec[k].dtype)[None] for k, x in row.items()})
                 assert got.tolist() == [Writer.add(w, **row)]
+                assert got.dtype == np.int64 and got.shape == (1,) and got.flags.writeable
                 if t % 9 == 8:
                     v.end_episode(np.array([True]))
                     w.end_episode()
