@@ -189,6 +189,16 @@ static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t narg
     for (Py_ssize_t k = 0; k < self->nfields; k++)
         if (!take(&self->fields[k], args[5 + k], &src[k], scratch[k].bytes)) Py_RETURN_NONE;
 
+    PyObject *result = NULL;  /* made before the first store: a failure here stores nothing */
+    if (self->one_env) {
+        npy_intp one = 1;
+        result = PyArray_SimpleNew(1, &one, NPY_INT64);
+        if (result) *(int64_t *)PyArray_DATA((PyArrayObject *)result) = i;
+    } else {
+        result = PyLong_FromLongLong(i);
+    }
+    if (result == NULL) return NULL;
+
     long long s = i % self->capacity;
     if (i >= load_word(w + self->w_reserved)) store_word(w + self->w_reserved, i + 1);  /* claim */
     store_word(w + self->stamp0 + s, 2 * i + 1);
@@ -208,13 +218,7 @@ static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t narg
     store_word(w + self->stamp0 + s, 2 * i + 2);
     store_order();
     store_word(w + self->w_committed, i + 1);
-    if (self->one_env) {
-        npy_intp one = 1;
-        PyObject *index = PyArray_SimpleNew(1, &one, NPY_INT64);
-        if (index) *(int64_t *)PyArray_DATA((PyArrayObject *)index) = i;
-        return index;
-    }
-    return PyLong_FromLongLong(i);
+    return result;
 }
 
 static PyObject *rowput_release(RowPut *self, PyObject *unused) {

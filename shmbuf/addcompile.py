@@ -102,9 +102,10 @@ def row_put(checker: RowChecker, words: Any, at: tuple[int, ...], columns: Seque
     dests = [(col, 1) for col in columns] + ([(pending, 0)] if pending is not None else [])
     fields = []
     for f, (dest, per_slot) in zip(checker.fields, dests, strict=True):
-        numbers = f.shape == () and not one_env
+        numbers = f.shape == () and not one_env and f.dtype.itemsize <= 16  # (_add_c's scratch)
         types, int_lo, int_hi, f_lo, f_hi = fast_scalars(f)
-        if not numbers or f.dtype.kind not in "biuf" or f.dtype.char == "e":  # no float16
+        plain = f.dtype.kind in "biu" or f.dtype.kind == "f" and f.dtype.itemsize in (4, 8)
+        if not numbers or not plain:  # _add_c converts Python numbers only into these
             types, int_lo, int_hi, f_lo, f_hi = frozenset(), 1, 0, 1.0, 0.0
         nbytes = f.dtype.itemsize * int(np.prod(f.shape))
         fields.append((f.dtype, (1, *f.shape) if one_env else f.shape, dest, nbytes * per_slot,

@@ -362,3 +362,17 @@ def test_ci_builds_the_compiled_store(store_path):
     assert addcompile.RowPut is not None
     with shmbuf.ReplayBuffer.create(USUAL, capacity=4) as buf, buf.writer() as w:
         assert w._put is not None
+
+
+def test_wide_scalar_fields_store_what_the_plain_add_stores():
+    """Scalars wider than the compiled store's scratch (complex of two long doubles) and long
+    doubles: a writer opens, and its rows hold what the plain ``add`` stores."""
+    spec = shmbuf.Spec(z=((), "clongdouble"), x=((), "longdouble"), c=((), "complex64"),
+                       v=((2,), "clongdouble"))
+    with twin_buffers(spec) as (a, b, wa, wb):
+        for t in range(12):
+            row = {"z": np.clongdouble(t + 0.5j) if t % 2 else complex(t, -t),
+                   "x": np.longdouble(t) / 3 if t % 3 else float(t), "c": complex(t, 1),
+                   "v": np.full(2, t - 1j, np.clongdouble)}
+            add_both(wa, wb, row)
+        assert segment_bytes(a) == segment_bytes(b)

@@ -436,7 +436,7 @@ def test_the_compiled_twin_stores_in_write_rows_order():
     this pins the when."""
     source = (PACKAGE / "_add_c.c").read_text()
     body = source[source.index("static PyObject *rowput_put("):]
-    body = body[body.index("long long s = i % self->capacity;"):body.index("return PyLong")]
+    body = body[body.index("long long s = i % self->capacity;"):body.index("return result;")]
     steps = [
         "store_word(w + self->w_reserved, i + 1)",  # claim
         "store_word(w + self->stamp0 + s, 2 * i + 1)",  # odd stamp
