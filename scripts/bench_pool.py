@@ -9,9 +9,11 @@ In one run, on the same buffers (ratios are measured side by side; this machine 
      pool against in-process sampling;
   3. batches/s and GB/s against ``n_workers`` from 1 to the number of cores (PNG plot);
   4. learner batches/s (no train step) while an actor process inserts single transitions as
-     fast as it can; both rates.
+     fast as it can, or at ``--actor-rate`` inserts/s; both rates. Unpaced, a faster ``add``
+     also puts more memory traffic beside the learner: compare commits at one paced rate.
 
     python scripts/bench_pool.py [--quick] [--json out.json] [--plot bench-out/pool_scaling.png]
+                                 [--actor-rate N]
 
 Options shared with the other benchmarks (--quick, --rounds, --seconds, --json, --check) and the
 timing loops come from ``benchlib``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -256,26 +259,34 @@ def scaling(buf: ReplayBuffer, batch: int, max_workers: int, seconds: float,
     return out
 
 
-def inserting_actor(ctx: ActorContext) -> None:
-    """Inserts single Atari transitions as fast as it can."""
+def inserting_actor(ctx: ActorContext, rate: float = 0.0) -> None:
+    """Inserts single Atari transitions as fast as it can, or at ``rate`` inserts/s."""
     rng = np.random.default_rng(ctx.actor_id)
     frames = rng.integers(0, 255, (16, 4, 84, 84), dtype=np.uint8)
     w = ctx.writer
     t = 0
+    t0 = time.perf_counter()
     while not ctx.stopping:
         w.add(obs=frames[t & 15], next_obs=frames[(t + 1) & 15], action=t % 6, reward=1.0,
               done=False)
         t += 1
+        if rate and not t % 256:  # paced: sleep off whatever is ahead of the rate
+            ahead = t / rate - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
 
-def with_actor(capacity: int, batch: int, workers: int, seconds: float) -> dict[str, float]:
-    """(4) Learner batches/s while one actor process inserts single transitions."""
+def with_actor(capacity: int, batch: int, workers: int, seconds: float, rate: float = 0.0
+               ) -> dict[str, float]:
+    """(4) Learner batches/s while one actor process inserts single transitions (``rate``:
+    paced at that many inserts/s; 0: as fast as it can)."""
     spec = Spec(WORKLOADS["atari"])
     with ReplayBuffer.create(spec, capacity=capacity, lanes=2) as buf:
         # a full lane to sample from while lane 0 fills
         benchlib.fill_repeating(buf, random_rows(spec, 2000, np.random.default_rng(0)), capacity,
                                 lane=1)
-        with ActorGroup(inserting_actor, 1, buf, lanes=[0]) as group, \
+        actor = functools.partial(inserting_actor, rate=rate)
+        with ActorGroup(actor, 1, buf, lanes=[0]) as group, \
                 SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
             # Steady state: the actor has written a whole lap (its first touch of every page of
             # its lane is behind it) and the workers have read for a while.
@@ -345,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="workers for 1, 2, 4 (default: cores)")
     p.add_argument("--max-workers", type=int, default=None, help="(3) up to this many workers")
     p.add_argument("--plot", default="bench-out/pool_scaling.png")
+    p.add_argument("--actor-rate", type=float, default=0.0,
+                   help="(4) pace the actor at this many inserts/s (default: as fast as it can; "
+                        "a faster add then also means more memory traffic beside the learner)")
     p.add_argument("--base", default=None,
                    help="(0) also measure this checkout (e.g. a worktree of the base commit)")
     p.add_argument("--only", choices=["sleep-wake", "back-to-back"], default=None,
@@ -457,11 +471,14 @@ def main(argv: list[str] | None = None) -> int:
                                f"{r['of_raw']:.2f} of raw (raw scales {r['raw_efficiency']:.2f})"
                                for r in rows)))
 
-    print("\n(4) learner batches/s (no train step) while one actor inserts single transitions")
+    pace = f", paced at {args.actor_rate:,.0f}/s" if args.actor_rate else ", as fast as it can"
+    print("\n(4) learner batches/s (no train step) while one actor inserts single transitions"
+          + pace)
     results["with_actor"] = []
     best = None
     for n in sorted({1, workers}):
-        runs = sorted((with_actor(warm_cap, 256, n, secs) for _ in range(rounds)),
+        runs = sorted((with_actor(warm_cap, 256, n, secs, args.actor_rate)
+                       for _ in range(rounds)),
                       key=lambda r: r["learner_bps"])
         r = dict(runs[len(runs) // 2], rounds=[(x["learner_bps"], x["actor_inserts_per_s"])
                                                 for x in runs])
