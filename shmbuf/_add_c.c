@@ -10,8 +10,8 @@
  *     C-contiguous;
  *   - for scalar fields (not one-env): the field's own NumPy scalar type; Python bool where the
  *     field takes it; Python int and float inside the ranges rowcheck.fast_scalars gives,
- *     converted as NumPy converts them (an int into a float field through a double), except
- *     Python floats into float16 fields and ints of more than 64 bits;
+ *     converted as NumPy converts them (an int into a float field through a double). Python
+ *     numbers go only into bool, int, float32 and float64 fields, and ints only up to 64 bits;
  * and only while the room granted by the rate limiter lasts (index < room_until, generation
  * unchanged): the Python path waits for more.
  *
@@ -44,8 +44,9 @@ typedef struct {
     char *dest;         /* slot 0 of the lane's column, or the private pending row */
     Py_ssize_t stride;  /* bytes from one slot to the next: nbytes, or 0 (pending row) */
     int stream;         /* copied with non-temporal stores */
-    int numbers;        /* scalar field: its NumPy scalar type taken, and Python numbers in the
-                           ranges below (bool, int and float32/64 fields only) */
+    int numbers;        /* a scalar field (not one-env): its NumPy scalar type is taken, and
+                           Python numbers in the ranges below (which addcompile.row_put leaves
+                           empty but for bool, int, float32 and float64 fields) */
     int bool_ok, float_any;
     long long int_lo, int_hi;  /* Python ints taken (empty where lo > hi) */
     double float_lo, float_hi; /* Python floats taken (empty where lo > hi) */
@@ -54,7 +55,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Py_buffer words_view;
-    int64_t *words; /* NULL once released */
+    int64_t *words; /* NULL until __init__ succeeds */
     Py_ssize_t w_committed, w_reserved, w_lim_gen, stamp0, meta0;
     long long capacity, step_mask;
     int any_stream;
@@ -176,7 +177,7 @@ static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t narg
     }
     int64_t *w = self->words;
     if (w == NULL) {
-        PyErr_SetString(PyExc_ValueError, "put() on a released RowPut");
+        PyErr_SetString(PyExc_ValueError, "put() on a RowPut whose __init__ failed");
         return NULL;
     }
     long long i, room_until, lim_gen, episode_bits, step;
@@ -219,12 +220,6 @@ static PyObject *rowput_put(RowPut *self, PyObject *const *args, Py_ssize_t narg
     store_order();
     store_word(w + self->w_committed, i + 1);
     return result;
-}
-
-static PyObject *rowput_release(RowPut *self, PyObject *unused) {
-    (void)unused;
-    release_views(self);
-    Py_RETURN_NONE;
 }
 
 static int word_index(Py_ssize_t at, Py_ssize_t count, const Py_buffer *view, const char *what) {
@@ -350,8 +345,6 @@ static PyMethodDef rowput_methods[] = {
      "put(index, room_until, lim_gen, episode_bits, step, *values) -> index (an int64 array "
      "of one for a one-env writer's) or None: check and store one row, or store nothing and "
      "return None."},
-    {"release", (PyCFunction)rowput_release, METH_NOARGS,
-     "Let go of the segment's and the columns' memory (put() raises after)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -75,12 +75,18 @@ def fast_check(checker: RowChecker, k: int, var: str, one_env: bool = False
     return "(" + " or ".join(parts) + ")", names
 
 
+def large_rows(field: Any) -> bool:
+    """Whether rows of ``field`` (a ``Spec`` field) are large enough to store streaming past
+    the caches (``STREAM_MIN_ROW_BYTES``): by ``stream_rows`` and by ``_add_c``."""
+    return field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES
+
+
 def streams(field: Any) -> bool:
     """Whether rows of ``field`` (a ``Spec`` field) are stored with ``stream_rows``: large
     rows of plain numeric dtypes, where the streaming extension was built. A row it cannot
     take as it is (another dtype, not contiguous) it refuses, and NumPy stores it."""
     return (stream_rows is not None and field.dtype.kind in "biuf" and field.dtype.isnative
-            and field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES)
+            and large_rows(field))
 
 
 def puts_rows(checker: RowChecker) -> bool:
@@ -109,7 +115,7 @@ def row_put(checker: RowChecker, words: Any, at: tuple[int, ...], columns: Seque
             types, int_lo, int_hi, f_lo, f_hi = frozenset(), 1, 0, 1.0, 0.0
         nbytes = f.dtype.itemsize * int(np.prod(f.shape))
         fields.append((f.dtype, (1, *f.shape) if one_env else f.shape, dest, nbytes * per_slot,
-                       nbytes >= STREAM_MIN_ROW_BYTES, numbers, bool in types, float in types,
+                       large_rows(f), numbers, bool in types, float in types,
                        max(int_lo, _INT64[0]), min(int_hi, _INT64[1]), f_lo, f_hi))
     return RowPut(words, at, fields, one_env).put  # type: ignore[no-any-return]
 

@@ -200,8 +200,7 @@ class OneEnvVectorWriter(VectorWriter):
 
     def _take_lane_state(self, writers: list[Writer]) -> None:
         self._lane = writers[0]  # keeps it: see the properties below
-        checker = self._storage.input_checker()
-        self._put = self._lane._row_put(one_env=True) if puts_rows(checker) else None
+        self._put = self._lane._row_put(one_env=True) if puts_rows(self._checker) else None
 
     def _drop_views(self) -> None:
         super()._drop_views()

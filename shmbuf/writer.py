@@ -83,7 +83,7 @@ class LaneWriter:
         # extend's store per field: streamed for large rows (None: NumPy's)
         self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._check_row, self._check_batch = checker.check_row, checker.check_batch
-        self._put: Callable[..., Any] | None = None  # a Writer's compiled store
+        self._put: Callable[..., Any] | None = None  # the compiled add's store (row_put)
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
