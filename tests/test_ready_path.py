@@ -141,6 +141,44 @@ def test_next_over_ready_slots_and_release_to_a_busy_worker_make_no_channel_call
     procs.assert_batch_ok(pool.next(timeout=30), 8)  # the worker goes on, nothing was lost
 
 
+def test_a_plain_pool_takes_ready_slots_in_its_common_case_not_its_wait(pool):
+    """Over READY slots, ``next()`` of a plain pool (uniform rows, NumPy views) is
+    ``RingDelivery.take_ready`` alone: the delivery's waiting ``next`` is never entered, and
+    every batch is whole and its own slot's."""
+    delivery = pool._delivery
+    assert delivery.quick
+    ring = delivery.ring
+    wait_for(lambda: states(ring).count(READY) == N_STAGING - 1, what="every other slot READY")
+    entered = []
+    waiting_next = delivery.next
+    delivery.next = lambda *args: entered.append(args) or waiting_next(*args)
+    seen = set()
+    for _ in range(N_STAGING - 1):
+        batch = pool.next(timeout=10)
+        procs.assert_batch_ok(batch, 8)
+        assert ring.state(batch.slot) == HELD and batch.generation == delivery.gen[batch.slot]
+        seen.add(batch.slot)
+    assert entered == [] and len(seen) == N_STAGING - 1
+    assert states(ring).count(HELD) == 1  # each next() handed the previous slot back
+    assert pool.stats()["workers"][0]["batches"] >= N_STAGING
+
+
+@pytest.mark.parametrize("kwargs, quick", [
+    ({}, True),
+    ({"output": "torch"}, True),
+    ({"sampler": "prioritized"}, False),  # importance weights are computed per batch
+    ({"max_times_sampled": 1}, False),  # the learner chooses the rows
+])
+def test_which_pools_take_the_common_case(buf, kwargs, quick):
+    if kwargs.get("output") == "torch":
+        pytest.importorskip("torch")
+    with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork", seed=0,
+                     **kwargs) as p:
+        assert p._delivery.quick is quick
+        for _ in range(3):
+            procs.assert_batch_ok(p.next(timeout=30), 8)
+
+
 def test_release_to_a_blocked_worker_sends_one_wake_up_and_it_fills(pool):
     """A worker blocked on its channel (its waiting word set) gets exactly one message when the
     learner hands it a slot, and fills the slot; taking the batch still polls nothing."""

@@ -23,7 +23,15 @@ from shmbuf.priority import importance_weights
 
 from .batch import Batch
 from .config import PoolConfig
-from .device import Backend, DeviceStage, JaxViews, SlotFences, fenced_copy, make_backend
+from .device import (
+    Backend,
+    DeviceStage,
+    JaxViews,
+    SlotFences,
+    fenced_copy,
+    make_backend,
+    page_lock,
+)
 from .selection import Selection
 from .staging import INDICES, INFO, LANES, PMIN, PROBS, WEIGHTS
 from .supervise import Child
@@ -94,12 +102,13 @@ class Delivery:
         self.out_fields = [name for name, _, _ in parts.out_arrays]
         self.selection = parts.selection
         self.weighted = parts.selection.table is not None  # batches carry importance weights
+        self.to_device = parts.cfg.output == "torch"  # batches have Batch.to
+        # A batch is its slot's views as they are: nothing to compute or wrap in the learner.
+        self.plain = not (self.weighted or parts.selection.tags_batches or parts.cfg.output == "jax")
         self.selection_rng = np.random.default_rng(parts.cfg.seed.spawn(1)[0])
         self.closing = False
         self.failure: BaseException | None = None
         self.views: list[dict[str, Any]] = []
-        # Per slot, once: (its field views, indices, lanes, weights) as a Batch takes them. A
-        # slot's views never change while the delivery is open, and a Batch only reads its dict.
         self.batch_views: dict[int, tuple[dict[str, Any], Any, Any, Any]] = {}
         self.gen = [0] * parts.cfg.n_staging
         self.held: Batch | None = None
@@ -116,6 +125,10 @@ class Delivery:
     # -- the interface ----------------------------------------------------------------------------
     def next(self, timeout: float, step: int) -> Batch:
         raise NotImplementedError
+
+    def take_ready(self, step: int) -> Batch | None:
+        """The held batch released and a filled slot held without waiting, if a delivery can."""
+        return None
 
     def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
         """The NumPy arrays of ``slot`` (fields, indices, lanes, weights, probabilities)."""
@@ -169,6 +182,11 @@ class Delivery:
         """``close()`` from any thread: end the learner's wait with ``ClosedError``."""
         self.closing = True
 
+    def _fail(self, error: BaseException | None) -> None:
+        """The first failure is the one ``next()`` raises."""
+        if self.failure is None:
+            self.failure = error
+
     def check_open(self) -> None:
         if self.closing:
             raise ClosedError("the SamplerPool is closed")
@@ -192,8 +210,11 @@ class Delivery:
         return self.views[slot]
 
     def hold(self, slot: int, step: int) -> Batch:
-        views = self.take_slot(slot, step)
-        info = views[INFO].tolist() if self.selection.tags_batches else None
+        """The learner holds ``slot`` (marked HELD already): its batch."""
+        info = None
+        if not self.plain:  # importance weights to compute, INFO words to read, JAX arrays
+            views = self.take_slot(slot, step)
+            info = views[INFO].tolist() if self.selection.tags_batches else None
         if self.jax is not None:  # fresh zero-copy arrays, fenced by their lifetime in JAX
             views, fence = self.jax.wrap(
                 {**{n: views[n] for n in self.out_fields}, INDICES: views[INDICES],
@@ -203,18 +224,20 @@ class Delivery:
             fields, indices, lanes, weights = ({n: views[n] for n in self.out_fields},
                                                views[INDICES], views[LANES], views[WEIGHTS])
         else:
-            cached = self.batch_views.get(slot)
-            if cached is None:
-                cached = self.batch_views[slot] = (
-                    {n: views[n] for n in self.out_fields}, views[INDICES], views[LANES],
-                    views[WEIGHTS])
-            fields, indices, lanes, weights = cached
-        batch = Batch(fields, indices, lanes, weights, self.release_batch, slot, self.gen[slot],
-                      to_fn=self.batch_to if self.cfg.output == "torch" else None, info=info)
+            fields, indices, lanes, weights = self.batch_views.get(slot) or self.cache_views(slot)
+        batch = self.held = Batch(fields, indices, lanes, weights, self.release_batch, slot,
+                                  self.gen[slot], self.batch_to if self.to_device else None, info)
         if self.weighted:
             self.recent.add(indices, np.array(lanes))
-        self.held = batch
         return batch
+
+    def cache_views(self, slot: int) -> tuple[dict[str, Any], Any, Any, Any]:
+        """``slot``'s (field views, indices, lanes, weights), made once: they never change while
+        the delivery is open, and a Batch only reads its dict."""
+        views = self.views[slot]
+        cached = self.batch_views[slot] = ({n: views[n] for n in self.out_fields}, views[INDICES],
+                                           views[LANES], views[WEIGHTS])
+        return cached
 
     def release_batch(self, batch: Batch, on_device: bool = False) -> None:
         """A ``Batch``'s release: the held batch's staging slot goes back to be refilled (or,
@@ -318,23 +341,8 @@ class Delivery:
         return None
 
     def pin(self, torch: Any) -> None:
-        """Page-lock the staging ring. Private in-process slots are not pinned: copies from
-        them are synchronous, and they are refilled only after their fences pass anyway."""
-        if not torch.cuda.is_available():
-            warnings.warn("pin_memory=True but CUDA is not available; staging stays pageable",
-                          stacklevel=6)
-            return
-        span = self.shared_memory()
-        if span is None:
-            return
-        mem, offset, length = span
-        ptr = np.frombuffer(mem, np.uint8, count=length, offset=offset).ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, length, 0)
-        if int(err) != 0:
-            warnings.warn(f"cudaHostRegister of the staging ring failed ({err}); staying pageable",
-                          stacklevel=6)
-            return
-        self.pinned = (torch, ptr)
+        """Page-lock the staging ring, if it is shared memory (``device.page_lock``)."""
+        self.pinned = page_lock(torch, self.shared_memory())
 
     # -- teardown ---------------------------------------------------------------------------------
     def release_held(self) -> None:

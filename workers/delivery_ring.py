@@ -49,7 +49,6 @@ class _WorkerHandle(Child):
         self.slots = slots  # staging slots this worker fills, fixed for the pool's life
         self.hello = False
         self.startup_failures = 0
-        self.batches = 0
 
     def take_messages(self) -> WorkerError | None:
         """Read this worker's messages (OP_READY only woke the learner: it reads the slot
@@ -97,9 +96,9 @@ class _WorkerHandle(Child):
         if not self.hello and self.alive:
             self.proc.kill()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, batches: int) -> dict[str, Any]:
         return {"id": self.wid, "pid": self.proc.pid if self.proc else None, "alive": self.alive,
-                "batches": self.batches}
+                "batches": batches}
 
 
 def _sampler_config(delivery: Delivery, staging: str) -> SamplerConfig:
@@ -135,6 +134,10 @@ class RingDelivery(Delivery):
         self.book = SlotBook(parts.cfg.ordered)
         self.tickets = itertools.count(1)  # generations, one count for all: assignment order
         self.next_check = 0  # perf_counter_ns of the next look at messages and deaths
+        self.n_workers, self.n_staging = parts.cfg.n_workers, parts.cfg.n_staging  # (take_ready)
+        self.selects = parts.selection.learner_selects
+        self.quick = False  # take_ready may deliver: release = hand-out, batch = views
+        self.filled = [0] * parts.cfg.n_workers  # batches each worker handed back
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -146,14 +149,15 @@ class RingDelivery(Delivery):
                                               n_workers=cfg.n_workers)
         self.cfg_bytes = cloudpickle.dumps(_sampler_config(self, ring.name))
         self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
-        n_workers = cfg.n_workers
-        for wid, seed in enumerate(cfg.seed.spawn(n_workers)):
-            slots = list(range(wid, cfg.n_staging, n_workers))
+        for wid, seed in enumerate(cfg.seed.spawn(self.n_workers)):
+            slots = list(range(wid, cfg.n_staging, self.n_workers))
             self._start_worker(_WorkerHandle(wid, slots), seed, [])
         # Slots in order, so worker s % n_workers gets slot s: the same round-robin that
         # ordered delivery follows, so batches leave in the order they were assigned.
         for slot in range(cfg.n_staging):
-            self._assign(self._worker_of(slot), slot)
+            self._assign(slot)
+        self.quick = self.plain and self.stage is None and self.pinned is None \
+            and not self.selects and not self.selection.enters_rows
 
     # -- the interface ----------------------------------------------------------------------------
     def _live_ring(self) -> StagingRing:
@@ -164,15 +168,8 @@ class RingDelivery(Delivery):
     def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
         return self._live_ring().slot(slot)
 
-    def mark_held(self, slot: int) -> None:
-        """The learner takes ``slot`` off the ready list: HELD until it is handed out again."""
-        self._live_ring().set_state(slot, HELD)
-
     def workers(self) -> list[_WorkerHandle]:
         return self.children.children
-
-    def _worker_of(self, slot: int) -> _WorkerHandle:
-        return self.children.children[slot % self.cfg.n_workers]
 
     @property
     def restarts(self) -> int:
@@ -183,7 +180,8 @@ class RingDelivery(Delivery):
         self.children.wake()
 
     def stats(self, batches: int) -> dict[str, Any]:
-        return {**super().stats(batches), "workers": [w.stats() for w in self.workers()]}
+        return {**super().stats(batches),
+                "workers": [w.stats(self.filled[w.wid]) for w in self.workers()]}
 
     @property
     def ready_count(self) -> int:
@@ -198,25 +196,51 @@ class RingDelivery(Delivery):
         return ring.seg.buf, offset, length
 
     # -- taking batches ---------------------------------------------------------------------------
-    def next(self, timeout: float, step: int) -> Batch:
-        """The learner's next batch. The common case (a READY slot, nothing else due) is STATE
-        word loads and a store, in as few frames as a core waking from a train step runs fast."""
+    def take_ready(self, step: int) -> Batch | None:
+        """``next()``'s common case, for a ``quick`` pool: the held slot back to its worker, the
+        first ready one held, through few frames and objects (a learner waking cold from a train
+        step pays ~1 us for each). None if none is ready or anything else is due: ``next``."""
         t0 = time.perf_counter_ns()
-        self._collect()
-        self.occupancy_sum += len(self.book) / self.cfg.n_staging
-        slot = None
-        if t0 < self.next_check and self.failure is None and self.stage is None \
-                and not len(self.fences):
-            slot = self.book.pop()
-        if slot is not None:
-            self.mark_held(slot)
-            batch = self.hold(slot, step)
-        else:
-            batch = self._wait(t0, timeout, step)
+        ring = self.ring
+        if not self.quick or t0 >= self.next_check or self.failure is not None \
+                or self.fences.pending or self.closing or ring is None:
+            return None
+        held = self.held
+        if held is not None:  # Batch.release, which for a quick pool is this
+            held._invalidate()
+            self.held = None
+            self._assign(held.slot)
+        slot = self._ready_slot(True)
+        if slot is None:
+            return None
+        batch = self.hold(slot, step)
+        ring.stats.batch_delivered(time.perf_counter_ns() - t0)
+        return batch
+
+    def next(self, timeout: float, step: int) -> Batch:
+        """The learner's next batch (the held one released): a ready slot, else ``_wait``."""
+        t0 = time.perf_counter_ns()
+        slot = self._ready_slot(t0 < self.next_check and self.failure is None
+                                and self.stage is None and not self.fences.pending)
+        batch = self.hold(slot, step) if slot is not None else self._wait(t0, timeout, step)
         ring = self.ring
         if ring is not None:
-            ring.stats.batch_delivered(time.perf_counter_ns() - t0, self.children.restarts)
+            ring.stats.batch_delivered(time.perf_counter_ns() - t0)
         return batch
+
+    def _ready_slot(self, take: bool) -> int | None:
+        """Take up the slots workers handed back; with ``take``, the next ready one (HELD)."""
+        self._collect()
+        book = self.book
+        self.occupancy_sum += len(book.ready) / self.n_staging
+        return self._pop_ready() if take else None
+
+    def _pop_ready(self) -> int | None:
+        """The next slot to deliver, if one is ready: HELD until it is handed out again."""
+        slot = self.book.pop()
+        if slot is not None:
+            self._live_ring().set_state(slot, HELD)
+        return slot
 
     def _wait(self, t0: int, timeout: float, step: int) -> Batch:
         """``next()``'s other cases: messages and deaths when due, device copies, waits."""
@@ -233,12 +257,10 @@ class RingDelivery(Delivery):
                 if len(self.stage):
                     return self.hold_device(self.stage)
             else:
-                slot = self.book.pop()
+                slot = self._pop_ready()
                 if slot is not None:
-                    self.mark_held(slot)
                     return self.hold(slot, step)
-            if self.rows.waiting:
-                self._retry_waiting()
+            self.rows.retry(self._assign)
             self.selection.enter_new_rows()  # workers may be waiting for rows to enter
             remaining = (deadline - time.perf_counter_ns()) / 1e9
             if remaining <= 0:
@@ -259,15 +281,16 @@ class RingDelivery(Delivery):
         if ring is None or not book.assigned:
             return 0
         back = book.handed_back(ring.words, ring.state_words)
+        filled, n_workers = self.filled, self.n_workers
         for slot in back:
-            if self.selection.learner_selects:
+            if self.selects:
                 if ring.state(slot) != READY:  # STALE: its rows were overwritten
                     self.rows.stale(slot)
-                    self._assign(self._worker_of(slot), slot, requeue=False)
+                    self._assign(slot, requeue=False)
                     continue
                 self.selection.gathered(slot)
             book.append(slot)
-            self.children.children[slot % self.cfg.n_workers].batches += 1
+            filled[slot % n_workers] += 1
         return len(back)
 
     def _poll(self, timeout: float) -> None:
@@ -287,21 +310,21 @@ class RingDelivery(Delivery):
         """Copy ready slots to the device while device buffers are free; each slot goes back to
         the workers once its copy has completed."""
         while stage.can_submit():
-            slot = self.book.pop()
+            slot = self._pop_ready()
             if slot is None:
                 return
-            self.mark_held(slot)
             self.submit_slot(stage, slot, step)
             self.slot_done(slot)
 
     # -- giving slots back ------------------------------------------------------------------------
     def slot_done(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
-        self.rows.done(slot)
+        if self.selects:
+            self.rows.done(slot)
         if self.closing or self.ring is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
-            self._assign(self._worker_of(slot), slot)
+            self._assign(slot)
 
     def _reap_fences(self) -> None:
         """Hand back to the workers every slot whose device copies have completed."""
@@ -309,15 +332,16 @@ class RingDelivery(Delivery):
             return
         for slot in self.fences.completed(in_order=self.cfg.ordered):
             if not self.closing and self.ring is not None and self.failure is None:
-                self._assign(self._worker_of(slot), slot)
+                self._assign(slot)
 
-    def _assign(self, w: _WorkerHandle, slot: int, requeue: bool = True) -> None:
-        """Hand ``slot`` to ``w`` (ASSIGNED), or with learner-selected rows in it (ASSIGNED_ROWS;
-        kept after a worker death: queue mode still delivers each row exactly once)."""
+    def _assign(self, slot: int, requeue: bool = True) -> None:
+        """Hand ``slot`` to its worker (ASSIGNED), or with learner-selected rows in it
+        (ASSIGNED_ROWS; kept after a worker death: queue mode still delivers each row exactly
+        once)."""
         ring = self.ring
         assert ring is not None
         state = ASSIGNED
-        if self.selection.learner_selects:
+        if self.selects:
             rows = self.rows.rows_for(slot, lambda: self.selection.select(
                 self.batch_size, self.selection_rng) if self.may_select() else None)
             if rows is None:  # nothing to select now: retried from next()
@@ -328,25 +352,19 @@ class RingDelivery(Delivery):
             state = ASSIGNED_ROWS
         generation = self.gen[slot] = next(self.tickets)
         self.book.handed_out(slot, requeue)
-        if ring.assign(slot, w.wid, generation, state):  # its STATE word stored last
-            w.wake(slot, generation)  # only if it waits: the handshake of ``staging``
-
-    def _retry_waiting(self) -> None:
-        waiting = self.rows.waiting
-        for slot in waiting[:]:
-            waiting.remove(slot)
-            self._assign(self._worker_of(slot), slot)
-            if waiting and waiting[-1] == slot:
-                break  # still nothing to select; the others would find nothing either
+        owner = slot % self.n_workers
+        if ring.assign(slot, owner, generation, state):  # STATE last; True: it waits (staging)
+            self.children.children[owner].wake(slot, generation)
 
     # -- workers ----------------------------------------------------------------------------------
     def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
                       fill: list[int]) -> None:
         """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
         self.children.start(w, self.cfg_bytes, w.wid, seed)
+        self._live_ring().stats.set_restarts(self.children.restarts)
         w.hello = False
         for s in fill:
-            self._assign(w, s, requeue=False)
+            self._assign(s, requeue=False)
 
     def _on_exit(self, w: _WorkerHandle) -> None:
         """A worker process ended: keep what it finished, reclaim the rest, restart or fail."""
@@ -367,14 +385,10 @@ class RingDelivery(Delivery):
         # Slots it finished stay READY and are delivered; the new process refills the lost ones.
         self._start_worker(w, self.cfg.seed.spawn(1)[0], lost)
 
-    def _fail(self, error: BaseException | None) -> None:
-        if self.failure is None:
-            self.failure = error
-
     # -- teardown ---------------------------------------------------------------------------------
     def stop(self, timeout: float) -> None:
-        """Ask the workers to stop. One still starting (no HELLO) has nothing to finish: it is
-        terminated at once rather than waited for (so a young spawn pool closes promptly)."""
+        """Ask the workers to stop; one still starting (no HELLO) is ended at once, having
+        nothing to finish (so a young spawn pool closes promptly)."""
         for w in self.workers():
             self._fail(w.take_messages())
             w.end_if_starting()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -44,29 +45,30 @@ class SlotFences:
     """
 
     def __init__(self) -> None:
-        self._pending: collections.OrderedDict[int, list[Fence]] = collections.OrderedDict()
+        # slot -> its fences not known to have passed (read it to ask "any?" without a call)
+        self.pending: collections.OrderedDict[int, list[Fence]] = collections.OrderedDict()
 
     def add(self, slot: int, fence: Fence) -> None:
         if fence is not DONE:
-            self._pending.setdefault(slot, []).append(fence)
+            self.pending.setdefault(slot, []).append(fence)
 
     def busy(self, slot: int) -> bool:
-        return slot in self._pending
+        return slot in self.pending
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self.pending)
 
     def completed(self, in_order: bool = False) -> list[int]:
         """Slots whose every fence has passed (removed from the pending set), oldest first;
         with ``in_order``, only those fenced before the oldest slot still pending."""
         done = []
-        for slot, fences in self._pending.items():
+        for slot, fences in self.pending.items():
             if all(f.query() for f in fences):
                 done.append(slot)
             elif in_order:
                 break
         for slot in done:
-            del self._pending[slot]
+            del self.pending[slot]
         return done
 
     def drain(self, timeout: float) -> bool:
@@ -77,13 +79,34 @@ class SlotFences:
         """
         deadline = time.monotonic() + timeout
         pause = 1e-4
-        while self._pending:
+        while self.pending:
             self.completed()
-            if not self._pending or time.monotonic() >= deadline:
+            if not self.pending or time.monotonic() >= deadline:
                 break
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
-        return not self._pending
+        return not self.pending
+
+
+def page_lock(torch: Any, span: tuple[Any, int, int] | None) -> tuple[Any, int] | None:
+    """Page-lock staging memory ``span`` (mapping, offset, length) for async copies: (torch,
+    pointer) to unregister at close, or None (with a warning where CUDA or the registration
+    failed). Private in-process slots (``span`` None) are not pinned: copies from them are
+    synchronous, and they are refilled only after their fences pass anyway."""
+    if not torch.cuda.is_available():
+        warnings.warn("pin_memory=True but CUDA is not available; staging stays pageable",
+                      stacklevel=7)
+        return None
+    if span is None:
+        return None
+    mem, offset, length = span
+    ptr = np.frombuffer(mem, np.uint8, count=length, offset=offset).ctypes.data
+    err = torch.cuda.cudart().cudaHostRegister(ptr, length, 0)
+    if int(err) != 0:
+        warnings.warn(f"cudaHostRegister of the staging ring failed ({err}); staying pageable",
+                      stacklevel=7)
+        return None
+    return torch, ptr
 
 
 class Backend(Protocol):

@@ -95,6 +95,15 @@ class SlotRows:
             self.selection.track(slot, rows)
         return rows
 
+    def retry(self, assign: Callable[[int], None]) -> None:
+        """``assign`` the slots waiting for rows again, until one still finds none."""
+        waiting = self.waiting
+        for slot in waiting[:]:
+            waiting.remove(slot)
+            assign(slot)
+            if waiting and waiting[-1] == slot:
+                break  # still nothing to select; the others would find nothing either
+
     def stale(self, slot: int) -> None:
         """``slot``'s rows were overwritten before its worker gathered them."""
         self.selection.stale(self.by_slot.pop(slot))

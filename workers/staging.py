@@ -171,14 +171,16 @@ class PoolStats:
     def set_workers(self, n: int) -> None:
         self._words[self._base + L.STAT_WORKERS] = n
 
-    def batch_delivered(self, wait_ns: int, restarts: int) -> None:
+    def set_restarts(self, n: int) -> None:
+        self._words[self._base + L.STAT_RESTARTS] = n
+
+    def batch_delivered(self, wait_ns: int) -> None:
         """One more batch reached the learner after it waited ``wait_ns``."""
         q, b = self._words, self._base
         self.batches += 1
         self.wait_ns += wait_ns
         q[b + L.STAT_BATCHES] = self.batches
         q[b + L.STAT_WAIT_NS] = self.wait_ns
-        q[b + L.STAT_RESTARTS] = restarts
 
 
 class StagingRing:
