@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -355,3 +356,24 @@ def test_batches_of_one_slot_share_its_views_but_not_their_validity():
         assert sorted(second) == keys
         for k in keys:
             assert second[k] is kept[k]  # the same slot's view object, built once
+
+
+def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, monkeypatch):
+    """Another thread closes the pool while ``next()`` hands the held slot back: the learner
+    gets ``ClosedError``, not whatever the torn-down ring raised."""
+    with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork", seed=0) as p:
+        procs.assert_batch_ok(p.next(timeout=30), 8)
+        delivery = p._delivery
+        assert delivery.quick
+        hand_out = delivery._assign
+
+        def closed_meanwhile(slot: int, requeue: bool = True) -> None:
+            closer = threading.Thread(target=p.close)
+            closer.start()
+            closer.join(timeout=30)
+            assert delivery.ring is None  # torn down under the learner
+            hand_out(slot, requeue)
+
+        monkeypatch.setattr(delivery, "_assign", closed_meanwhile)
+        with pytest.raises(ClosedError, match="closed during next"):
+            p.next(timeout=10)

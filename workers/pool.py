@@ -203,20 +203,20 @@ class SamplerPool(EpochIteration):
         timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
         assert delivery is not None  # set by the constructor, and the pool is open
-        batch = delivery.take_ready(self._batches)  # the common case: nothing to wait for
-        if batch is None:
-            if delivery.held is not None:
-                delivery.held.release()
-            if self._selection.enters_rows:
-                self._selection.enter_new_rows()
-            t0 = time.perf_counter()
-            try:
+        try:
+            batch = delivery.take_ready(self._batches)  # the common case: nothing to wait for
+            if batch is None:
+                if delivery.held is not None:
+                    delivery.held.release()
+                if self._selection.enters_rows:
+                    self._selection.enter_new_rows()
+                t0 = time.perf_counter()
                 batch = delivery.next(timeout, self._batches)
-            except Exception:
-                if self._closed:  # another thread closed the pool under us: say so, nothing else
-                    raise ClosedError("the SamplerPool was closed during next()") from None
-                raise
-            self._wait_s += time.perf_counter() - t0
+                self._wait_s += time.perf_counter() - t0
+        except Exception:
+            if self._closed:  # another thread closed the pool under us: say so, nothing else
+                raise ClosedError("the SamplerPool was closed during next()") from None
+            raise
         if self._closed:
             batch._invalidate()
             raise ClosedError("the SamplerPool was closed during next()")
