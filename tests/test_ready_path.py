@@ -164,6 +164,29 @@ def test_a_plain_pool_takes_ready_slots_in_its_common_case_not_its_wait(pool):
     assert pool.stats()["workers"][0]["batches"] >= N_STAGING
 
 
+def test_a_due_death_check_runs_inside_the_common_case(pool, monkeypatch):
+    """With the periodic look at messages and deaths due at every call, ``next()`` over READY
+    slots still never enters the delivery's waiting ``next``: it polls, notices a worker that
+    was SIGKILLed meanwhile, restarts it, and delivers a READY batch in the same call."""
+    monkeypatch.setattr(delivery_ring, "CHECK_EVERY_NS", 0)
+    delivery = pool._delivery
+    delivery.next_check = 0  # (the fixture's first next() put it an hour ahead)
+    ring = delivery.ring
+    wait_for(lambda: states(ring).count(READY) == N_STAGING - 1, what="every other slot READY")
+    entered = []
+    waiting_next = delivery.next
+    delivery.next = lambda *args: entered.append(args) or waiting_next(*args)
+    pid = pool.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: procs.proc_state(pid) in ("Z", ""), what="the worker's death")
+    with counting_channel_calls(pool) as counts:
+        procs.assert_batch_ok(pool.next(timeout=10), 8)
+    assert entered == [] and counts["poll"] >= 1, (entered, dict(counts))
+    assert pool.stats()["restarts"] == 1 and pool.worker_pids[0] != pid
+    for _ in range(N_STAGING):  # the restarted worker refills what its predecessor lost
+        procs.assert_batch_ok(pool.next(timeout=30), 8)
+
+
 @pytest.mark.parametrize("kwargs, quick", [
     ({}, True),
     ({"output": "torch"}, True),

@@ -201,9 +201,11 @@ class RingDelivery(Delivery):
         first ready one held, through few frames and objects (a learner waking cold from a train
         step pays ~1 us for each). None if none is ready or anything else is due: ``next``."""
         t0 = time.perf_counter_ns()
+        if t0 >= self.next_check:  # (for every pool: its next() comes here first)
+            self._look_around(t0)
         ring = self.ring
-        if not self.quick or t0 >= self.next_check or self.failure is not None \
-                or self.fences.pending or self.closing or ring is None:
+        if not self.quick or self.failure is not None or self.fences.pending or self.closing \
+                or ring is None:
             return None
         held = self.held
         if held is not None:  # Batch.release, which for a quick pool is this
@@ -231,8 +233,7 @@ class RingDelivery(Delivery):
     def _ready_slot(self, take: bool) -> int | None:
         """Take up the slots workers handed back; with ``take``, the next ready one (HELD)."""
         self._collect()
-        book = self.book
-        self.occupancy_sum += len(book.ready) / self.n_staging
+        self.occupancy_sum += len(self.book.ready) / self.n_staging
         return self._pop_ready() if take else None
 
     def _pop_ready(self) -> int | None:
@@ -243,11 +244,8 @@ class RingDelivery(Delivery):
         return slot
 
     def _wait(self, t0: int, timeout: float, step: int) -> Batch:
-        """``next()``'s other cases: messages and deaths when due, device copies, waits."""
+        """``next()``'s other cases: device copies, and waits (looking at messages and deaths)."""
         deadline = t0 + int(timeout * 1e9)
-        if t0 >= self.next_check:  # ready slots kept coming: still notice deaths and errors
-            self.next_check = t0 + CHECK_EVERY_NS
-            self._poll(0)
         while True:
             if self.failure is not None:
                 raise self.failure
@@ -273,6 +271,11 @@ class RingDelivery(Delivery):
                     self._poll(min(remaining, pause))
                     self._collect()
             self.next_check = time.perf_counter_ns() + CHECK_EVERY_NS
+
+    def _look_around(self, now: int) -> None:
+        """Messages and deaths (every ``CHECK_EVERY_NS``: ``next()`` polls only when it waits)."""
+        self.next_check = now + CHECK_EVERY_NS
+        self._poll(0)
 
     def _collect(self) -> int:
         """Take up the slots workers handed back (READY, or STALE: learner-selected rows were
