@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -163,6 +164,31 @@ def test_a_pool_across_the_clear_delivers_older_rows_only_in_prefetched_batches(
             conn.send("stop")
             assert conn.poll(30)
             conn.recv()
+
+
+def test_a_clear_between_the_drawable_check_and_the_draw_waits_for_rows(monkeypatch):
+    """The clear() lands after the fill saw a drawable buffer and before it drew: the draw
+    finds the buffer empty, waits for rows (a writer adds them 50 ms later) and delivers them,
+    instead of failing the pool with EmptyBufferError (a race a live pool across clears hit)."""
+    from workers import SamplerPool
+
+    with shmbuf.ReplayBuffer.create(SPEC, capacity=C, lanes=1) as buf:
+        fill(buf, C)
+        with SamplerPool(buf, batch_size=8, n_workers=0, seed=0, timeout=10) as pool:
+            assert_batch_ok(pool.next(), 8)
+            draw, cleared = buf.sample_into, []
+
+            def cleared_first(*args, **kwargs):
+                if not cleared:
+                    buf.clear()
+                    cleared.append(int(buf.storage.cleared_below[0]))
+                    threading.Timer(0.05, fill, (buf, 16)).start()
+                return draw(*args, **kwargs)
+
+            monkeypatch.setattr(buf, "sample_into", cleared_first)
+            batch = pool.next()
+            assert_batch_ok(batch, 8)
+            assert cleared and (np.asarray(batch.indices) >= cleared[0]).all()
 
 
 # --------------------------------------------------------------------------------------------

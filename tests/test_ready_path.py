@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import multiprocess.connection
 import pytest
 
 from shmbuf.errors import ClosedError
@@ -176,9 +177,10 @@ def test_a_due_death_check_runs_inside_the_common_case(pool, monkeypatch):
     entered = []
     waiting_next = delivery.next
     delivery.next = lambda *args: entered.append(args) or waiting_next(*args)
-    pid = pool.worker_pids[0]
+    pid, sentinel = pool.worker_pids[0], delivery.workers()[0].proc.sentinel
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: procs.proc_state(pid) in ("Z", ""), what="the worker's death")
+    # (under forkserver the sentinel says so a little after the process is gone)
+    wait_for(lambda: multiprocess.connection.wait([sentinel], timeout=0), what="the death")
     with counting_channel_calls(pool) as counts:
         procs.assert_batch_ok(pool.next(timeout=10), 8)
     assert entered == [] and counts["poll"] >= 1, (entered, dict(counts))

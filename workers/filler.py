@@ -101,12 +101,18 @@ class BatchFiller:
     def _sample(self, target: dict[str, np.ndarray], rng: np.random.Generator, wait: Wait) -> Draw:
         if self.table is not None:
             return self._sample_prioritized(self.table, target, rng, wait)
-        for _ in range(SAMPLING_ERRORS_BEFORE_REPORT - 1):
+        errors = 0
+        while True:
             try:
                 return self.buf.sample_into(target, rng, plan=self.compiled)
-            except SamplingError:
-                pass
-        return self.buf.sample_into(target, rng, plan=self.compiled)  # its error is reported
+            except (SamplingError, EmptyBufferError):  # rows overwritten, or a clear()
+                errors += 1
+                if errors == SAMPLING_ERRORS_BEFORE_REPORT:
+                    raise  # reported
+            # A clear() since wait_until_drawable looked: wait for rows again (the usual retry
+            # of overwritten rows does not wait; an empty buffer that still looks drawable
+            # fails again at once and is reported).
+            self.wait_until_drawable(wait)
 
     def _sample_prioritized(self, table: PriorityTable, target: dict[str, np.ndarray],
                             rng: np.random.Generator, wait: Wait) -> Draw:
