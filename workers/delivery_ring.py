@@ -207,11 +207,8 @@ class RingDelivery(Delivery):
         if not self.quick or self.failure is not None or self.fences.pending or self.closing \
                 or ring is None:
             return None
-        held = self.held
-        if held is not None:  # Batch.release, which for a quick pool is this
-            held._invalidate()
-            self.held = None
-            self._assign(held.slot)
+        if self.held is not None:
+            self.held.release()
         slot = self._ready_slot(True)
         if slot is None:
             return None
@@ -220,10 +217,11 @@ class RingDelivery(Delivery):
         return batch
 
     def next(self, timeout: float, step: int) -> Batch:
-        """The learner's next batch (the held one released): a ready slot, else ``_wait``."""
+        """The learner's next batch (the held one released, and messages and deaths looked at
+        when due, by ``take_ready``): a ready slot, else ``_wait``."""
         t0 = time.perf_counter_ns()
-        slot = self._ready_slot(t0 < self.next_check and self.failure is None
-                                and self.stage is None and not self.fences.pending)
+        slot = self._ready_slot(self.failure is None and self.stage is None
+                                and not self.fences.pending)
         batch = self.hold(slot, step) if slot is not None else self._wait(t0, timeout, step)
         ring = self.ring
         if ring is not None:
