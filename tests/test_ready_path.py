@@ -106,8 +106,19 @@ def buf():
 N_STAGING = 6
 
 
+@pytest.fixture(params=["compiled", "python"])
+def taker(request, monkeypatch):
+    """``take_ready``'s steps compiled (``workers._take_c``, skipped where it was not built), or
+    in Python, as where no compiler was at hand."""
+    if request.param == "compiled" and delivery_ring.Taker is None:
+        pytest.skip("workers._take_c was not built")
+    if request.param == "python":
+        monkeypatch.setattr(delivery_ring, "Taker", None)
+    return request.param
+
+
 @pytest.fixture
-def pool(buf, start_method, monkeypatch):
+def pool(buf, start_method, taker, monkeypatch):
     """One slow worker (50 ms per batch) and ``N_STAGING`` slots; the periodic death check
     (a poll every ``CHECK_EVERY_NS`` while batches keep coming) moved out of the way."""
     monkeypatch.setattr(delivery_ring, "CHECK_EVERY_NS", 3600 * 10**9)
@@ -383,22 +394,24 @@ def test_batches_of_one_slot_share_its_views_but_not_their_validity():
             assert second[k] is kept[k]  # the same slot's view object, built once
 
 
-def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, monkeypatch):
+def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, taker):
     """Another thread closes the pool while ``next()`` hands the held slot back: the learner
     gets ``ClosedError``, not whatever the torn-down ring raised."""
     with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork", seed=0) as p:
         procs.assert_batch_ok(p.next(timeout=30), 8)
         delivery = p._delivery
         assert delivery.quick
-        hand_out = delivery._assign
+        steps = delivery.taker
+        assert (type(steps) is delivery_ring.PythonTaker) == (taker == "python")
 
-        def closed_meanwhile(slot: int, requeue: bool = True) -> None:
-            closer = threading.Thread(target=p.close)
-            closer.start()
-            closer.join(timeout=30)
-            assert delivery.ring is None  # torn down under the learner
-            hand_out(slot, requeue)
+        class ClosedMeanwhile:
+            def take(self, words: Any, release: int) -> int | None:
+                closer = threading.Thread(target=p.close)
+                closer.start()
+                closer.join(timeout=30)
+                assert delivery.ring is None  # torn down under the learner
+                return steps.take(words, release)
 
-        monkeypatch.setattr(delivery, "_assign", closed_meanwhile)
+        delivery.taker = ClosedMeanwhile()
         with pytest.raises(ClosedError, match="closed during next"):
             p.next(timeout=10)

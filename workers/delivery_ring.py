@@ -26,11 +26,18 @@ from .staging import (
     HELD,
     LEARNER,
     READY,
+    STALE,
     StagingRing,
     slot_arrays,
     write_rows,
 )
 from .supervise import Child, ChildSet, self_inflicted
+
+Taker: Any  # the compiled common case of next() (setup.py builds it where it can), or None
+try:
+    from ._take_c import Taker
+except ImportError:  # pragma: no cover - depends on the build
+    Taker = None
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
 # While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
@@ -111,6 +118,35 @@ def _sampler_config(delivery: Delivery, staging: str) -> SamplerConfig:
         plan=delivery.compiled.plan, priority_table=table.name if table is not None else None)
 
 
+class PythonTaker:
+    """``take_ready``'s steps in Python, where ``_take_c`` was not built or batches leave in
+    order: what ``_take_c.Taker.take`` does, through the delivery's own methods."""
+
+    def __init__(self, delivery: RingDelivery) -> None:
+        self.delivery = delivery
+
+    def take(self, words: memoryview, release: int) -> int | None:
+        """``release`` (or -1) back to its worker, handed-back slots taken up, the first
+        ready slot HELD and returned, if any."""
+        d = self.delivery
+        if release >= 0:
+            d._assign(release)
+        d._collect()
+        return d._pop_ready()
+
+
+def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
+    """The steps of ``delivery.take_ready`` for a quick pool: compiled (``_take_c.Taker``, on
+    the delivery's own records) where it was built and batches may leave as they come."""
+    if Taker is None or delivery.cfg.ordered:
+        return PythonTaker(delivery)
+    book = delivery.book
+    return Taker(ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
+                 (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, delivery.gen,
+                 delivery.filled, delivery.tickets,
+                 lambda owner, slot, gen: delivery.children.children[owner].wake(slot, gen))
+
+
 class RingDelivery(Delivery):
     """Slot ``s`` belongs to worker ``s % n_workers``; it moves FREE -> ASSIGNED -> (FILLING ->
     READY, the worker's) -> HELD -> back to its worker.
@@ -137,6 +173,7 @@ class RingDelivery(Delivery):
         self.n_workers, self.n_staging = parts.cfg.n_workers, parts.cfg.n_staging  # (take_ready)
         self.selects = parts.selection.learner_selects
         self.quick = False  # take_ready may deliver: release = hand-out, batch = views
+        self.taker: Any = None  # take_ready's steps, for a quick pool (make_taker)
         self.filled = [0] * parts.cfg.n_workers  # batches each worker handed back
 
     def start(self) -> None:
@@ -158,6 +195,8 @@ class RingDelivery(Delivery):
             self._assign(slot)
         self.quick = self.plain and self.stage is None and self.pinned is None \
             and not self.selects and not self.selection.enters_rows
+        if self.quick:
+            self.taker = make_taker(self, ring)
 
     # -- the interface ----------------------------------------------------------------------------
     def _live_ring(self) -> StagingRing:
@@ -207,9 +246,12 @@ class RingDelivery(Delivery):
         if not self.quick or self.failure is not None or self.fences.pending or self.closing \
                 or ring is None:
             return None
-        if self.held is not None:
-            self.held.release()
-        slot = self._ready_slot(True)
+        held = self.held
+        if held is not None:  # its release: a quick pool's is the hand-out (no fences, no rows)
+            self.held = None
+            held._invalidate()
+        slot = self.taker.take(ring.words, -1 if held is None else held.slot)
+        self.occupancy_sum += (len(self.book.ready) + (slot is not None)) / self.n_staging
         if slot is None:
             return None
         batch = self.hold(slot, step)
@@ -220,19 +262,15 @@ class RingDelivery(Delivery):
         """The learner's next batch (the held one released, and messages and deaths looked at
         when due, by ``take_ready``): a ready slot, else ``_wait``."""
         t0 = time.perf_counter_ns()
-        slot = self._ready_slot(self.failure is None and self.stage is None
-                                and not self.fences.pending)
+        self._collect()
+        self.occupancy_sum += len(self.book.ready) / self.n_staging
+        slot = self._pop_ready() if self.failure is None and self.stage is None \
+            and not self.fences.pending else None
         batch = self.hold(slot, step) if slot is not None else self._wait(t0, timeout, step)
         ring = self.ring
         if ring is not None:
             ring.stats.batch_delivered(time.perf_counter_ns() - t0)
         return batch
-
-    def _ready_slot(self, take: bool) -> int | None:
-        """Take up the slots workers handed back; with ``take``, the next ready one (HELD)."""
-        self._collect()
-        self.occupancy_sum += len(self.book.ready) / self.n_staging
-        return self._pop_ready() if take else None
 
     def _pop_ready(self) -> int | None:
         """The next slot to deliver, if one is ready: HELD until it is handed out again."""
