@@ -405,12 +405,12 @@ def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, t
         assert (type(steps) is delivery_ring.PythonTaker) == (taker == "python")
 
         class ClosedMeanwhile:
-            def take(self, words: Any, release: int) -> int | None:
+            def take(self, words: Any, release: int, t0: int) -> int | None:
                 closer = threading.Thread(target=p.close)
                 closer.start()
                 closer.join(timeout=30)
                 assert delivery.ring is None  # torn down under the learner
-                return steps.take(words, release)
+                return steps.take(words, release, t0)
 
         delivery.taker = ClosedMeanwhile()
         with pytest.raises(ClosedError, match="closed during next"):

@@ -8,6 +8,7 @@ per-worker counts and wake-ups. Bad calls raise and change nothing.
 from __future__ import annotations
 
 import itertools
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -62,7 +63,9 @@ class Learner:
         ring = self.ring
         words = [[ring.get(s, w) for w in (W_STATE, W_GENERATION, W_OWNER)]
                  for s in range(ring.n_slots)]
-        return {"words": words, "assigned": list(self.book.assigned),
+        batches, waited = (ring.words[w] for w in ring.stats.delivered_words)
+        assert waited >= 0
+        return {"words": words, "batches": batches, "assigned": list(self.book.assigned),
                 "ready": list(self.book.ready), "gen": list(self.gen),
                 "filled": list(self.filled), "woken": list(self.woken)}
 
@@ -111,7 +114,7 @@ def test_the_compiled_steps_do_what_the_python_steps_do(twins, steps):
             held = None
         else:
             release = -1 if held is None else held
-            got = [taker.take(learner.ring.words, release)
+            got = [taker.take(learner.ring.words, release, time.perf_counter_ns())
                    for learner, taker in ((compiled, fast), (python, slow))]
             assert got[0] == got[1]
             held = got[0]
@@ -125,6 +128,7 @@ def test_the_compiled_steps_do_what_the_python_steps_do(twins, steps):
         assert compiled.record() == python.record()
     record = compiled.record()
     assert len(taken) > compiled.ring.n_slots // 2 and record["woken"] and sum(record["filled"])
+    assert record["batches"] > steps // 20
 
 
 def test_bad_calls_raise_and_change_nothing(twins):
@@ -132,17 +136,23 @@ def test_bad_calls_raise_and_change_nothing(twins):
     learner.ring.set_state(1, READY)
     before = learner.record()
     with pytest.raises(IndexError, match="release: slot 6 of 6"):
-        taker.take(learner.ring.words, 6)
+        taker.take(learner.ring.words, 6, 0)
     with pytest.raises(IndexError):
-        taker.take(learner.ring.words, -2)
+        taker.take(learner.ring.words, -2, 0)
     with pytest.raises(ValueError, match="too short"):
-        taker.take(learner.ring.words[:4], -1)
+        taker.take(learner.ring.words[:4], -1, 0)
     with pytest.raises(TypeError):
-        taker.take(learner.ring.words, "0")
+        taker.take(learner.ring.words, "0", 0)
     with pytest.raises(BufferError):
-        taker.take(bytes(len(learner.ring.words) * 8), -1)  # not writable
+        taker.take(bytes(len(learner.ring.words) * 8), -1, 0)  # not writable
     assert learner.record() == before
-    assert taker.take(learner.ring.words, -1) == 1
+    with pytest.raises(TypeError):
+        taker.take(learner.ring.words, -1)
+    assert learner.record() == before
+    t0 = time.perf_counter_ns()
+    assert taker.take(learner.ring.words, -1, t0) == 1
+    waited = learner.ring.words[learner.ring.stats.delivered_words[1]]
+    assert 0 <= waited <= time.perf_counter_ns() - t0
 
 
 def test_a_closed_ring_raises_value_error(twins):
@@ -153,7 +163,7 @@ def test_a_closed_ring_raises_value_error(twins):
         words = one.ring.words
         one.ring.close()
         with pytest.raises(ValueError):
-            steps.take(words, -1)
+            steps.take(words, -1, 0)
 
 
 def test_an_ordered_pool_takes_its_steps_in_python(twins):
@@ -168,11 +178,12 @@ def test_made_with_mismatched_records_it_refuses(twins):
     (learner, _), _ = twins
     ring, book = learner.ring, learner.book
     args = [ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
-            (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, learner.gen,
+            ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, learner.gen,
             learner.filled, learner.tickets, print]
     for i, bad, error in [(1, ring.generation_words[:-1], ValueError),
                           (3, ring.waiter_words[:-1], ValueError),
-                          (7, learner.gen[:-1], ValueError), (8, [], ValueError),
-                          (0, [-1] * ring.n_slots, ValueError), (5, [], TypeError)]:
+                          (8, learner.gen[:-1], ValueError), (9, [], ValueError),
+                          (0, [-1] * ring.n_slots, ValueError), (4, (0, -1), ValueError),
+                          (6, [], TypeError)]:
         with pytest.raises(error):
             delivery_ring.Taker(*args[:i], bad, *args[i + 1:])

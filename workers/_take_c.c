@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <time.h>
 
 static PyObject *one; /* the int 1, for the per-worker counts */
 
@@ -26,6 +27,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n_slots, n_workers, n_words;
     Py_ssize_t *state_at, *generation_at, *owner_at, *waiter_at; /* word indices */
+    Py_ssize_t batches_at, wait_at; /* the stats line's batches and wait words */
     int64_t assigned, ready, stale, held;                          /* STATE values */
     PyObject *book_assigned;   /* dict: slots out with a worker, in assignment order */
     PyObject *ready_append;    /* the book's ready deque: append and popleft */
@@ -85,23 +87,25 @@ static void taker_dealloc(Taker *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Taker(state_at, generation_at, owner_at, waiter_at, states, assigned, ready, generations,
- *       filled, tickets, wake): the word indices of each slot's STATE, GENERATION and OWNER and
- * of each waiting word (the learner's first, then each worker's); states = (ASSIGNED, READY,
+/* Taker(state_at, generation_at, owner_at, waiter_at, stats_at, states, assigned, ready,
+ *       generations, filled, tickets, wake): the word indices of each slot's STATE, GENERATION
+ * and OWNER, of each waiting word (the learner's first, then each worker's) and of the stats
+ * line's batches and wait words (PoolStats.batch_delivered); states = (ASSIGNED, READY,
  * STALE, HELD); the book's dict of assigned slots and deque of ready ones, the list of
  * generations (one per slot), of per-worker counts, the iterator of generations and the
  * wake-up call. */
 static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     PyObject *state_at, *generation_at, *owner_at, *waiter_at, *ready;
     long long assigned, ready_state, stale, held;
-    static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "states",
+    static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "stats_at", "states",
                          "assigned", "ready", "generations", "filled", "tickets", "wake", NULL};
     if (self->state_at) {
         PyErr_SetString(PyExc_TypeError, "a Taker is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(LLLL)O!OO!O!OO", kw, &state_at,
-                                     &generation_at, &owner_at, &waiter_at, &assigned,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(nn)(LLLL)O!OO!O!OO", kw, &state_at,
+                                     &generation_at, &owner_at, &waiter_at, &self->batches_at,
+                                     &self->wait_at, &assigned,
                                      &ready_state, &stale, &held, &PyDict_Type,
                                      &self->book_assigned, &ready, &PyList_Type,
                                      &self->generations, &PyList_Type, &self->filled,
@@ -134,6 +138,12 @@ static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     }
     for (Py_ssize_t i = 0; i <= self->n_workers; i++)
         if (self->waiter_at[i] > top) top = self->waiter_at[i];
+    if (self->batches_at < 0 || self->wait_at < 0) {
+        PyErr_SetString(PyExc_ValueError, "stats_at: a negative word index");
+        return -1;
+    }
+    if (self->batches_at > top) top = self->batches_at;
+    if (self->wait_at > top) top = self->wait_at;
     self->n_words = top + 1;
     self->assigned = assigned;
     self->ready = ready_state;
@@ -220,15 +230,18 @@ static int take_up(Taker *self, int64_t *words) {
     return status;
 }
 
-/* take(words, release) -> int | None: ``release`` (the slot of the batch the learner let go,
- * or -1) back to its worker, the slots workers handed back taken up, and the first ready slot
- * marked HELD and returned (None if none is ready). ``words``: the staging ring's control words
+/* take(words, release, t0) -> int | None: ``release`` (the slot of the batch the learner let
+ * go, or -1) back to its worker, the slots workers handed back taken up, and the first ready
+ * slot marked HELD and returned (None if none is ready), counted in the stats line as a batch
+ * delivered after waiting since ``t0`` (time.perf_counter_ns: CLOCK_MONOTONIC). ``words``: the staging ring's control words
  * (a writable buffer of int64); a released one raises ValueError, as the Python path does. */
 static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "take(words, release)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "take(words, release, t0)");
         return NULL;
     }
+    long long t0 = PyLong_AsLongLong(args[2]);
+    if (t0 == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t release = PyLong_AsSsize_t(args[1]);
     if (release == -1 && PyErr_Occurred()) return NULL;
     if (release < -1 || release >= self->n_slots) {
@@ -259,6 +272,11 @@ static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     }
     __atomic_store_n(&words[self->state_at[slot]], self->held, __ATOMIC_RELAXED);
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t waited = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec - t0;
+    words[self->batches_at] += 1; /* (only the learner stores them) */
+    words[self->wait_at] += waited;
 done:
     PyBuffer_Release(&view);
     return result;
@@ -266,8 +284,8 @@ done:
 
 static PyMethodDef taker_methods[] = {
     {"take", (PyCFunction)(void (*)(void))taker_take, METH_FASTCALL,
-     "take(words, release): release (or -1) handed back, handed-back slots taken up, the first "
-     "ready slot HELD and returned (None if none)."},
+     "take(words, release, t0): release (or -1) handed back, handed-back slots taken up, the "
+     "first ready slot HELD, counted and returned (None if none)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -125,14 +125,18 @@ class PythonTaker:
     def __init__(self, delivery: RingDelivery) -> None:
         self.delivery = delivery
 
-    def take(self, words: memoryview, release: int) -> int | None:
+    def take(self, words: memoryview, release: int, t0: int) -> int | None:
         """``release`` (or -1) back to its worker, handed-back slots taken up, the first
-        ready slot HELD and returned, if any."""
+        ready slot HELD, counted as a batch delivered after waiting since ``t0``, and
+        returned, if any."""
         d = self.delivery
         if release >= 0:
             d._assign(release)
         d._collect()
-        return d._pop_ready()
+        slot = d._pop_ready()
+        if slot is not None:
+            d._live_ring().stats.batch_delivered(time.perf_counter_ns() - t0)
+        return slot
 
 
 def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
@@ -142,7 +146,7 @@ def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
         return PythonTaker(delivery)
     book = delivery.book
     return Taker(ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
-                 (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, delivery.gen,
+                 ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, delivery.gen,
                  delivery.filled, delivery.tickets,
                  lambda owner, slot, gen: delivery.children.children[owner].wake(slot, gen))
 
@@ -250,13 +254,9 @@ class RingDelivery(Delivery):
         if held is not None:  # its release: a quick pool's is the hand-out (no fences, no rows)
             self.held = None
             held._invalidate()
-        slot = self.taker.take(ring.words, -1 if held is None else held.slot)
+        slot = self.taker.take(ring.words, -1 if held is None else held.slot, t0)
         self.occupancy_sum += (len(self.book.ready) + (slot is not None)) / self.n_staging
-        if slot is None:
-            return None
-        batch = self.hold(slot, step)
-        ring.stats.batch_delivered(time.perf_counter_ns() - t0)
-        return batch
+        return None if slot is None else self.hold(slot, step)
 
     def next(self, timeout: float, step: int) -> Batch:
         """The learner's next batch (the held one released, and messages and deaths looked at

@@ -166,7 +166,8 @@ class PoolStats:
     def __init__(self, words: memoryview, stats_offset: int) -> None:
         self._words = words
         self._base = stats_offset // 8
-        self.batches = self.wait_ns = 0  # this process's copies: stores, never loads
+        # (the compiled take_ready counts its batches in these words too: workers/_take_c.c)
+        self.delivered_words = (self._base + L.STAT_BATCHES, self._base + L.STAT_WAIT_NS)
 
     def set_workers(self, n: int) -> None:
         self._words[self._base + L.STAT_WORKERS] = n
@@ -176,11 +177,9 @@ class PoolStats:
 
     def batch_delivered(self, wait_ns: int) -> None:
         """One more batch reached the learner after it waited ``wait_ns``."""
-        q, b = self._words, self._base
-        self.batches += 1
-        self.wait_ns += wait_ns
-        q[b + L.STAT_BATCHES] = self.batches
-        q[b + L.STAT_WAIT_NS] = self.wait_ns
+        q, (batches, waited) = self._words, self.delivered_words
+        q[batches] += 1
+        q[waited] += wait_ns
 
 
 class StagingRing:
