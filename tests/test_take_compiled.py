@@ -8,6 +8,7 @@ per-worker counts and wake-ups. Bad calls raise and change nothing.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from workers import delivery_ring
+from tests import pool_procs as procs
+from workers import SamplerPool, delivery_ring
 from workers.delivery_ring import PythonTaker, RingDelivery, make_taker
 from workers.slot_book import SlotBook
 from workers.staging import (
@@ -30,8 +32,6 @@ from workers.staging import (
     StagingRing,
     slot_arrays,
 )
-
-pytestmark = pytest.mark.skipif(delivery_ring.Taker is None, reason="_take_c was not built")
 
 
 class Learner:
@@ -73,6 +73,8 @@ class Learner:
 @pytest.fixture
 def twins(request):
     """A learner whose steps are compiled and one whose steps are Python, alike so far."""
+    if delivery_ring.Taker is None:
+        pytest.skip("workers._take_c was not built")
     n_slots, n_workers = getattr(request, "param", (6, 2))
     made = [Learner(n_slots, n_workers) for _ in range(2)]
     compiled, python = made
@@ -187,3 +189,16 @@ def test_made_with_mismatched_records_it_refuses(twins):
                           (6, [], TypeError)]:
         with pytest.raises(error):
             delivery_ring.Taker(*args[:i], bad, *args[i + 1:])
+
+
+@pytest.mark.timeout(60)
+def test_ci_builds_the_compiled_take():
+    """Where ``SHMBUF_REQUIRE_COMPILED`` is set (``.ci/run``), ``_take_c`` must have been built
+    and a quick pool must take its steps with it."""
+    if not os.environ.get("SHMBUF_REQUIRE_COMPILED"):
+        pytest.skip("SHMBUF_REQUIRE_COMPILED is not set")
+    assert delivery_ring.Taker is not None
+    with procs.new_buffer(capacity=64) as buf, \
+            SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork", seed=0) as pool:
+        procs.assert_batch_ok(pool.next(timeout=30), 4)
+        assert type(pool._delivery.taker) is delivery_ring.Taker
