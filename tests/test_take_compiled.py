@@ -168,6 +168,23 @@ def test_a_closed_ring_raises_value_error(twins):
             steps.take(words, -1, 0)
 
 
+def test_a_close_during_a_wake_up_raises_value_error_on_both(twins):
+    """A close() in another thread can land while the learner sends a wake-up (the send lets
+    other threads run): the ring closes (nothing holds its words) and the take raises
+    ValueError on both paths, which ``SamplerPool.next`` reports as ClosedError."""
+    for learner, steps in twins:
+        first = steps.take(learner.ring.words, -1, 0)
+        assert first is None  # nothing handed back yet
+        learner.ring.set_state(0, READY)
+        assert steps.take(learner.ring.words, -1, 0) == 0
+        learner.ring.set_waiting(1, True)  # slot 0's worker sleeps
+        ring = learner.ring
+        learner.children.children[0].wake = lambda slot, gen, ring=ring: ring.close()
+        with pytest.raises(ValueError):
+            steps.take(ring.words, 0, 0)
+        assert learner.gen[0] > 0 and 0 in learner.book.assigned  # handed out before the wake
+
+
 def test_an_ordered_pool_takes_its_steps_in_python(twins):
     """Ordered delivery takes slots in assignment order: ``make_taker`` gives it the Python
     steps (the compiled ones take them as they come)."""

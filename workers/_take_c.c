@@ -14,7 +14,8 @@
  * the learner loads STATE with acquire before it hands out views of the data. Handing a slot
  * back stores GENERATION and OWNER, then STATE with release, then a full fence before it reads
  * the owner's waiting word (the waker's half of the handshake): if it is set, the worker
- * sleeps or is about to, and wake(owner, slot, generation) sends it a message.
+ * sleeps or is about to, and wake(owner, slot, generation) sends it a message. The words are
+ * not held (no buffer export) while that Python callback runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,7 +96,8 @@ static void taker_dealloc(Taker *self) {
  * generations (one per slot), of per-worker counts, the iterator of generations and the
  * wake-up call. */
 static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
-    PyObject *state_at, *generation_at, *owner_at, *waiter_at, *ready;
+    PyObject *state_at, *generation_at, *owner_at, *waiter_at, *assigned_o, *ready, *gens,
+        *filled, *tickets, *wake;
     long long assigned, ready_state, stale, held;
     static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "stats_at", "states",
                          "assigned", "ready", "generations", "filled", "tickets", "wake", NULL};
@@ -105,17 +107,16 @@ static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(nn)(LLLL)O!OO!O!OO", kw, &state_at,
                                      &generation_at, &owner_at, &waiter_at, &self->batches_at,
-                                     &self->wait_at, &assigned,
-                                     &ready_state, &stale, &held, &PyDict_Type,
-                                     &self->book_assigned, &ready, &PyList_Type,
-                                     &self->generations, &PyList_Type, &self->filled,
-                                     &self->tickets, &self->wake))
+                                     &self->wait_at, &assigned, &ready_state, &stale, &held,
+                                     &PyDict_Type, &assigned_o, &ready, &PyList_Type, &gens,
+                                     &PyList_Type, &filled, &tickets, &wake))
         return -1;
-    Py_INCREF(self->book_assigned);
-    Py_INCREF(self->generations);
-    Py_INCREF(self->filled);
-    Py_INCREF(self->tickets);
-    Py_INCREF(self->wake);
+    /* (references taken only once every argument parsed: dealloc drops what is set) */
+    self->book_assigned = Py_NewRef(assigned_o);
+    self->generations = Py_NewRef(gens);
+    self->filled = Py_NewRef(filled);
+    self->tickets = Py_NewRef(tickets);
+    self->wake = Py_NewRef(wake);
     self->n_slots = PyObject_Length(state_at);
     self->n_workers = PyList_GET_SIZE(self->filled);
     if (self->n_slots < 0) return -1;
@@ -157,35 +158,43 @@ static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
 }
 
 /* Hand ``slot`` to its worker: what RingDelivery._assign does for a pool whose workers draw
- * their own rows (a new generation, the book's record, STATE last, the wake-up if needed). */
-static int hand_out(Taker *self, int64_t *words, Py_ssize_t slot) {
+ * their own rows (a new generation, the book's record, STATE last). 1 if the worker sleeps, or
+ * is about to, and needs wake(*owner, slot, *generation); 0 if not; -1 on an error. */
+static int hand_out(Taker *self, int64_t *words, Py_ssize_t slot, Py_ssize_t *owner,
+                    long long *generation) {
     PyObject *ticket = PyIter_Next(self->tickets);
     if (!ticket) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "tickets ran out");
         return -1;
     }
-    long long generation = PyLong_AsLongLong(ticket);
-    if (generation == -1 && PyErr_Occurred()) {
-        Py_DECREF(ticket);
+    *generation = PyLong_AsLongLong(ticket);
+    if ((*generation == -1 && PyErr_Occurred()) ||
+        PyList_SetItem(self->generations, slot, ticket) < 0) /* (steals the reference) */
         return -1;
-    }
-    PyList_SetItem(self->generations, slot, ticket); /* steals the reference */
     PyObject *key = PyLong_FromSsize_t(slot);
     if (!key) return -1;
     int bad = PyDict_SetItem(self->book_assigned, key, Py_None);
     Py_DECREF(key);
     if (bad < 0) return -1;
-    Py_ssize_t owner = slot % self->n_workers;
-    __atomic_store_n(&words[self->generation_at[slot]], (int64_t)generation, __ATOMIC_RELAXED);
-    __atomic_store_n(&words[self->owner_at[slot]], (int64_t)owner, __ATOMIC_RELAXED);
+    *owner = slot % self->n_workers;
+    __atomic_store_n(&words[self->generation_at[slot]], (int64_t)*generation, __ATOMIC_RELAXED);
+    __atomic_store_n(&words[self->owner_at[slot]], (int64_t)*owner, __ATOMIC_RELAXED);
     __atomic_store_n(&words[self->state_at[slot]], self->assigned, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&words[self->waiter_at[1 + owner]], __ATOMIC_RELAXED)) {
-        PyObject *r = PyObject_CallFunction(self->wake, "nnL", owner, slot, generation);
-        if (!r) return -1;
-        Py_DECREF(r);
+    return __atomic_load_n(&words[self->waiter_at[1 + *owner]], __ATOMIC_RELAXED) != 0;
+}
+
+/* The control words of ``words_o``, checked: a writable buffer of int64 holding every word
+ * index this Taker was made with (a released memoryview raises ValueError). */
+static int64_t *acquire(Taker *self, PyObject *words_o, Py_buffer *view) {
+    if (PyObject_GetBuffer(words_o, view, PyBUF_WRITABLE) < 0) return NULL;
+    if (view->len < self->n_words * (Py_ssize_t)sizeof(int64_t) ||
+        ((uintptr_t)view->buf % sizeof(int64_t))) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "words: too short, or not aligned to 8 bytes");
+        return NULL;
     }
-    return 0;
+    return view->buf;
 }
 
 /* What RingDelivery._collect does for a pool whose workers draw their own rows: the assigned
@@ -249,18 +258,28 @@ static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) return NULL;
+    int64_t *words = acquire(self, args[0], &view);
+    if (!words) return NULL;
     PyObject *result = NULL;
-    if (view.len < self->n_words * (Py_ssize_t)sizeof(int64_t) ||
-        ((uintptr_t)view.buf % sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "words: too short, or not aligned to 8 bytes");
-        goto done;
+    if (release >= 0) {
+        Py_ssize_t owner;
+        long long generation;
+        int wake = hand_out(self, words, release, &owner, &generation);
+        if (wake < 0) goto done;
+        if (wake) {
+            /* Not holding the words while Python runs: a close() in another thread (the
+             * callback's send lets it run) must be able to release them. */
+            PyBuffer_Release(&view);
+            PyObject *r = PyObject_CallFunction(self->wake, "nnL", owner, release, generation);
+            if (!r) return NULL;
+            Py_DECREF(r);
+            if (!(words = acquire(self, args[0], &view))) return NULL;
+        }
     }
-    int64_t *words = view.buf;
-    if (release >= 0 && hand_out(self, words, release) < 0) goto done;
     if (take_up(self, words) < 0) goto done;
-    if (PyObject_Length(self->ready_deque) == 0) {
-        result = Py_NewRef(Py_None);
+    Py_ssize_t n_ready = PyObject_Length(self->ready_deque);
+    if (n_ready <= 0) {
+        if (n_ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
     result = PyObject_CallNoArgs(self->ready_popleft);
