@@ -206,6 +206,14 @@ def test_made_with_mismatched_records_it_refuses(twins):
                           (6, [], TypeError)]:
         with pytest.raises(error):
             delivery_ring.Taker(*args[:i], bad, *args[i + 1:])
+    made = delivery_ring.Taker(*args)
+    with pytest.raises(TypeError, match="made once"):
+        made.__init__(*args)
+    half = delivery_ring.Taker.__new__(delivery_ring.Taker)
+    with pytest.raises(ValueError):  # its records taken, then the counts refused
+        half.__init__(*args[:9], [], *args[10:])
+    with pytest.raises(TypeError, match="made once"):
+        half.__init__(*args)
 
 
 @pytest.mark.timeout(60)

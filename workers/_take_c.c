@@ -101,7 +101,7 @@ static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     long long assigned, ready_state, stale, held;
     static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "stats_at", "states",
                          "assigned", "ready", "generations", "filled", "tickets", "wake", NULL};
-    if (self->state_at) {
+    if (self->book_assigned) { /* (set first: a second __init__ would leak or mix records) */
         PyErr_SetString(PyExc_TypeError, "a Taker is made once");
         return -1;
     }

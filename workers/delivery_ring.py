@@ -146,8 +146,8 @@ def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
         return PythonTaker(delivery)
     book = delivery.book
     return Taker(ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
-                 ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, delivery.gen,
-                 delivery.filled, delivery.tickets,
+                 ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned,
+                 book.ready, delivery.gen, delivery.filled, delivery.tickets,
                  lambda owner, slot, gen: delivery.children.children[owner].wake(slot, gen))
 
 
