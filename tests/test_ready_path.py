@@ -404,14 +404,17 @@ def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, t
         steps = delivery.taker
         assert (type(steps) is delivery_ring.PythonTaker) == (taker == "python")
 
+        ring = delivery.ring
+
         class ClosedMeanwhile:
-            def take(self, words: Any, release: int, t0: int) -> int | None:
+            def take(self, words: Any, held: Any, t0: int) -> Any:
                 closer = threading.Thread(target=p.close)
                 closer.start()
                 closer.join(timeout=30)
                 assert delivery.ring is None  # torn down under the learner
-                return steps.take(words, release, t0)
+                return steps.take(words, held, t0)
 
         delivery.taker = ClosedMeanwhile()
         with pytest.raises(ClosedError, match="closed during next"):
             p.next(timeout=10)
+        assert ring.seg.buf is None  # unmapped: the held batch was let go of by the close

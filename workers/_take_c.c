@@ -16,13 +16,115 @@
  * the owner's waiting word (the waker's half of the handshake): if it is set, the worker
  * sleeps or is about to, and wake(owner, slot, generation) sends it a message. The words are
  * not held (no buffer export) while that Python callback runs.
+ *
+ * BatchCore is what workers.batch.Batch is made on: its fields and _invalidate() in C, so the
+ * take can let go of the learner's batch and make the next one (the slot's cached views, as
+ * Delivery.hold does for a plain batch) with no Python frame. batch.py has the same fields in
+ * Python (BatchFields) for where this file was not built.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <time.h>
 
 static PyObject *one; /* the int 1, for the per-worker counts */
+
+/* -- BatchCore ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *data, *indices, *lanes, *weights; /* the views (data: field -> view) */
+    PyObject *release_fn, *to_fn;               /* release(batch), to(batch, device); or NULL */
+    PyObject *epoch;                            /* NULL: None */
+    Py_ssize_t slot;
+    long long generation;
+    char released, ends_epoch;
+} BatchCore;
+
+static int core_traverse(BatchCore *self, visitproc visit, void *arg) {
+    Py_VISIT(self->data);
+    Py_VISIT(self->indices);
+    Py_VISIT(self->lanes);
+    Py_VISIT(self->weights);
+    Py_VISIT(self->release_fn);
+    Py_VISIT(self->to_fn);
+    Py_VISIT(self->epoch);
+    return 0;
+}
+
+static int core_clear(BatchCore *self) {
+    Py_CLEAR(self->data);
+    Py_CLEAR(self->indices);
+    Py_CLEAR(self->lanes);
+    Py_CLEAR(self->weights);
+    Py_CLEAR(self->release_fn);
+    Py_CLEAR(self->to_fn);
+    Py_CLEAR(self->epoch);
+    return 0;
+}
+
+static void core_dealloc(BatchCore *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Released: the views dropped too (a released batch must not keep the staging ring mapped),
+ * what it held decref'd last (a view's dealloc may run Python). */
+static int invalidate(BatchCore *self) {
+    PyObject *empty = PyDict_New();
+    if (!empty) return -1;
+    PyObject *was[6] = {self->data, self->indices, self->lanes, self->weights, self->release_fn,
+                        self->to_fn};
+    self->data = empty;
+    self->indices = self->lanes = self->weights = self->release_fn = self->to_fn = NULL;
+    self->released = 1;
+    for (int i = 0; i < 6; i++) Py_XDECREF(was[i]);
+    return 0;
+}
+
+static PyObject *core_invalidate(BatchCore *self, PyObject *Py_UNUSED(ignored)) {
+    if (invalidate(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef core_methods[] = {
+    {"_invalidate", (PyCFunction)core_invalidate, METH_NOARGS,
+     "Released: its views and release/to calls dropped."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"_data", T_OBJECT, offsetof(BatchCore, data), 0, NULL},
+    {"_indices", T_OBJECT, offsetof(BatchCore, indices), 0, NULL},
+    {"_lanes", T_OBJECT, offsetof(BatchCore, lanes), 0, NULL},
+    {"_weights", T_OBJECT, offsetof(BatchCore, weights), 0, NULL},
+    {"_release_fn", T_OBJECT, offsetof(BatchCore, release_fn), 0, NULL},
+    {"_to_fn", T_OBJECT, offsetof(BatchCore, to_fn), 0, NULL},
+    {"_released", T_BOOL, offsetof(BatchCore, released), 0, NULL},
+    {"slot", T_PYSSIZET, offsetof(BatchCore, slot), 0, "the staging slot it occupies"},
+    {"generation", T_LONGLONG, offsetof(BatchCore, generation), 0, "the slot's generation"},
+    {"epoch", T_OBJECT, offsetof(BatchCore, epoch), 0, "its epoch (sampler='epoch'), or None"},
+    {"ends_epoch", T_BOOL, offsetof(BatchCore, ends_epoch), 0, "the last batch of its epoch"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject BatchCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "workers._take_c.BatchCore",
+    .tp_basicsize = sizeof(BatchCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The fields of a Batch, and its _invalidate(), in C.",
+    .tp_new = PyType_GenericNew,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
+
+/* -- Taker ----------------------------------------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -38,6 +140,12 @@ typedef struct {
     PyObject *filled;          /* list: batches each worker handed back */
     PyObject *tickets;         /* iterator of generations */
     PyObject *wake;            /* wake(owner, slot, generation) */
+    PyTypeObject *batch_type;  /* workers.batch.Batch (a BatchCore) */
+    PyObject *batch_views;     /* dict: slot -> (fields, indices, lanes, weights), cached */
+    PyObject *cache_views;     /* cache_views(slot): that tuple, cached */
+    PyObject *release_fn;      /* each batch's release(batch) */
+    PyObject *to_fn;           /* each batch's to(batch, device), or NULL */
+    int made;                  /* __init__ done, not cleared */
 } Taker;
 
 static int word_indices(PyObject *seq, Py_ssize_t n, Py_ssize_t **out, const char *what) {
@@ -72,51 +180,97 @@ static int word_indices(PyObject *seq, Py_ssize_t n, Py_ssize_t **out, const cha
     return 0;
 }
 
+/* (The records and calls refer back to the delivery that refers to this Taker: a cycle the
+ * collector must see.) */
+static int taker_traverse(Taker *self, visitproc visit, void *arg) {
+    Py_VISIT(self->book_assigned);
+    Py_VISIT(self->ready_append);
+    Py_VISIT(self->ready_popleft);
+    Py_VISIT(self->ready_deque);
+    Py_VISIT(self->generations);
+    Py_VISIT(self->filled);
+    Py_VISIT(self->tickets);
+    Py_VISIT(self->wake);
+    Py_VISIT(self->batch_type);
+    Py_VISIT(self->batch_views);
+    Py_VISIT(self->cache_views);
+    Py_VISIT(self->release_fn);
+    Py_VISIT(self->to_fn);
+    return 0;
+}
+
+/* (book_assigned stays: it says the Taker was made, see taker_init) */
+static int taker_clear(Taker *self) {
+    self->made = 0;
+    Py_CLEAR(self->ready_append);
+    Py_CLEAR(self->ready_popleft);
+    Py_CLEAR(self->ready_deque);
+    Py_CLEAR(self->generations);
+    Py_CLEAR(self->filled);
+    Py_CLEAR(self->tickets);
+    Py_CLEAR(self->wake);
+    Py_CLEAR(self->batch_type);
+    Py_CLEAR(self->batch_views);
+    Py_CLEAR(self->cache_views);
+    Py_CLEAR(self->release_fn);
+    Py_CLEAR(self->to_fn);
+    return 0;
+}
+
 static void taker_dealloc(Taker *self) {
+    PyObject_GC_UnTrack(self);
     PyMem_Free(self->state_at);
     PyMem_Free(self->generation_at);
     PyMem_Free(self->owner_at);
     PyMem_Free(self->waiter_at);
-    Py_XDECREF(self->book_assigned);
-    Py_XDECREF(self->ready_append);
-    Py_XDECREF(self->ready_popleft);
-    Py_XDECREF(self->ready_deque);
-    Py_XDECREF(self->generations);
-    Py_XDECREF(self->filled);
-    Py_XDECREF(self->tickets);
-    Py_XDECREF(self->wake);
+    taker_clear(self);
+    Py_CLEAR(self->book_assigned);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* Taker(state_at, generation_at, owner_at, waiter_at, stats_at, states, assigned, ready,
- *       generations, filled, tickets, wake): the word indices of each slot's STATE, GENERATION
- * and OWNER, of each waiting word (the learner's first, then each worker's) and of the stats
- * line's batches and wait words (PoolStats.batch_delivered); states = (ASSIGNED, READY,
- * STALE, HELD); the book's dict of assigned slots and deque of ready ones, the list of
- * generations (one per slot), of per-worker counts, the iterator of generations and the
- * wake-up call. */
+ *       generations, filled, tickets, wake, batch_type, batch_views, cache_views, release_fn,
+ *       to_fn): the word indices of each slot's STATE, GENERATION and OWNER, of each waiting
+ * word (the learner's first, then each worker's) and of the stats line's batches and wait
+ * words (PoolStats.batch_delivered); states = (ASSIGNED, READY, STALE, HELD); the book's dict
+ * of assigned slots and deque of ready ones, the list of generations (one per slot), of
+ * per-worker counts, the iterator of generations and the wake-up call; what Delivery.hold
+ * makes a plain batch of: the Batch class, the dict of each slot's cached views and the call
+ * that caches them, each batch's release and to (or None) calls. */
 static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     PyObject *state_at, *generation_at, *owner_at, *waiter_at, *assigned_o, *ready, *gens,
-        *filled, *tickets, *wake;
+        *filled, *tickets, *wake, *batch_type, *batch_views, *cache_views, *release_fn, *to_fn;
     long long assigned, ready_state, stale, held;
     static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "stats_at", "states",
-                         "assigned", "ready", "generations", "filled", "tickets", "wake", NULL};
+                         "assigned", "ready", "generations", "filled", "tickets", "wake",
+                         "batch_type", "batch_views", "cache_views", "release_fn", "to_fn", NULL};
     if (self->book_assigned) { /* (set first: a second __init__ would leak or mix records) */
         PyErr_SetString(PyExc_TypeError, "a Taker is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(nn)(LLLL)O!OO!O!OO", kw, &state_at,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(nn)(LLLL)O!OO!O!OOO!O!OOO", kw, &state_at,
                                      &generation_at, &owner_at, &waiter_at, &self->batches_at,
                                      &self->wait_at, &assigned, &ready_state, &stale, &held,
                                      &PyDict_Type, &assigned_o, &ready, &PyList_Type, &gens,
-                                     &PyList_Type, &filled, &tickets, &wake))
+                                     &PyList_Type, &filled, &tickets, &wake, &PyType_Type,
+                                     &batch_type, &PyDict_Type, &batch_views, &cache_views,
+                                     &release_fn, &to_fn))
         return -1;
+    if (!PyType_IsSubtype((PyTypeObject *)batch_type, &BatchCoreType)) {
+        PyErr_SetString(PyExc_TypeError, "batch_type: a subclass of BatchCore");
+        return -1;
+    }
     /* (references taken only once every argument parsed: dealloc drops what is set) */
     self->book_assigned = Py_NewRef(assigned_o);
     self->generations = Py_NewRef(gens);
     self->filled = Py_NewRef(filled);
     self->tickets = Py_NewRef(tickets);
     self->wake = Py_NewRef(wake);
+    self->batch_type = (PyTypeObject *)Py_NewRef(batch_type);
+    self->batch_views = Py_NewRef(batch_views);
+    self->cache_views = Py_NewRef(cache_views);
+    self->release_fn = Py_NewRef(release_fn);
+    self->to_fn = to_fn == Py_None ? NULL : Py_NewRef(to_fn);
     self->n_slots = PyObject_Length(state_at);
     self->n_workers = PyList_GET_SIZE(self->filled);
     if (self->n_slots < 0) return -1;
@@ -154,6 +308,7 @@ static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
     self->ready_append = PyObject_GetAttrString(ready, "append");
     self->ready_popleft = PyObject_GetAttrString(ready, "popleft");
     if (!self->ready_append || !self->ready_popleft) return -1;
+    self->made = 1;
     return 0;
 }
 
@@ -239,23 +394,75 @@ static int take_up(Taker *self, int64_t *words) {
     return status;
 }
 
-/* take(words, release, t0) -> int | None: ``release`` (the slot of the batch the learner let
- * go, or -1) back to its worker, the slots workers handed back taken up, and the first ready
- * slot marked HELD and returned (None if none is ready), counted in the stats line as a batch
- * delivered after waiting since ``t0`` (time.perf_counter_ns: CLOCK_MONOTONIC). ``words``: the staging ring's control words
- * (a writable buffer of int64); a released one raises ValueError, as the Python path does. */
+/* The learner's batch of ``slot``: what Delivery.hold makes of a plain one (its cached views,
+ * the release and to calls, the slot and its generation), with no __init__ to run. */
+static PyObject *make_batch(Taker *self, Py_ssize_t slot) {
+    PyObject *key = PyLong_FromSsize_t(slot);
+    if (!key) return NULL;
+    PyObject *views = PyDict_GetItemWithError(self->batch_views, key);
+    if (views)
+        Py_INCREF(views);
+    else if (!PyErr_Occurred())
+        views = PyObject_CallOneArg(self->cache_views, key);
+    Py_DECREF(key);
+    if (!views) return NULL;
+    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != 4) {
+        Py_DECREF(views);
+        PyErr_SetString(PyExc_TypeError, "a slot's views: (fields, indices, lanes, weights)");
+        return NULL;
+    }
+    long long generation = PyLong_AsLongLong(PyList_GET_ITEM(self->generations, slot));
+    BatchCore *b = NULL;
+    if (!(generation == -1 && PyErr_Occurred()))
+        b = (BatchCore *)self->batch_type->tp_alloc(self->batch_type, 0);
+    if (b) {
+        b->data = Py_NewRef(PyTuple_GET_ITEM(views, 0));
+        b->indices = Py_NewRef(PyTuple_GET_ITEM(views, 1));
+        b->lanes = Py_NewRef(PyTuple_GET_ITEM(views, 2));
+        b->weights = Py_NewRef(PyTuple_GET_ITEM(views, 3));
+        b->release_fn = Py_NewRef(self->release_fn);
+        b->to_fn = Py_XNewRef(self->to_fn);
+        b->slot = slot;
+        b->generation = generation;
+    }
+    Py_DECREF(views);
+    return (PyObject *)b;
+}
+
+/* take(words, held, t0) -> Batch | None: ``held`` (the learner's batch, or None) released and
+ * its slot back to its worker (unless it was released before: a take that raised after the
+ * release leaves the delivery's held batch released, and its slot is not handed out twice), the slots workers handed back taken up, and the first ready
+ * slot marked HELD, counted in the stats line as a batch delivered after waiting since ``t0``
+ * (time.perf_counter_ns: CLOCK_MONOTONIC) and returned as a batch (None if none is ready).
+ * ``words``: the staging ring's control words (a writable buffer of int64); a released one
+ * raises ValueError, as the Python path does. */
 static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "take(words, release, t0)");
+        PyErr_SetString(PyExc_TypeError, "take(words, held, t0)");
+        return NULL;
+    }
+    if (!self->made) {
+        PyErr_SetString(PyExc_ValueError, "a Taker not made (or cleared)");
         return NULL;
     }
     long long t0 = PyLong_AsLongLong(args[2]);
     if (t0 == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t release = PyLong_AsSsize_t(args[1]);
-    if (release == -1 && PyErr_Occurred()) return NULL;
-    if (release < -1 || release >= self->n_slots) {
-        PyErr_Format(PyExc_IndexError, "release: slot %zd of %zd", release, self->n_slots);
-        return NULL;
+    PyObject *held = args[1];
+    Py_ssize_t release = -1;
+    if (held != Py_None) {
+        if (!PyObject_TypeCheck(held, &BatchCoreType)) {
+            PyErr_SetString(PyExc_TypeError, "held: a Batch or None");
+            return NULL;
+        }
+        BatchCore *batch = (BatchCore *)held;
+        if (batch->slot < 0 || batch->slot >= self->n_slots) {
+            PyErr_Format(PyExc_IndexError, "held: slot %zd of %zd", batch->slot, self->n_slots);
+            return NULL;
+        }
+        if (!batch->released) { /* (one let go of already had its slot handed out then) */
+            if (invalidate(batch) < 0) return NULL;
+            release = batch->slot;
+        }
     }
     Py_buffer view;
     int64_t *words = acquire(self, args[0], &view);
@@ -282,15 +489,16 @@ static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs
         if (n_ready == 0) result = Py_NewRef(Py_None);
         goto done;
     }
-    result = PyObject_CallNoArgs(self->ready_popleft);
-    if (!result) goto done;
-    Py_ssize_t slot = PyLong_AsSsize_t(result);
+    PyObject *slot_o = PyObject_CallNoArgs(self->ready_popleft);
+    if (!slot_o) goto done;
+    Py_ssize_t slot = PyLong_AsSsize_t(slot_o);
+    Py_DECREF(slot_o);
     if (slot < 0 || slot >= self->n_slots) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a ready slot out of range");
-        Py_CLEAR(result);
         goto done;
     }
     __atomic_store_n(&words[self->state_at[slot]], self->held, __ATOMIC_RELAXED);
+    if (!(result = make_batch(self, slot))) goto done;
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     int64_t waited = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec - t0;
@@ -303,8 +511,8 @@ done:
 
 static PyMethodDef taker_methods[] = {
     {"take", (PyCFunction)(void (*)(void))taker_take, METH_FASTCALL,
-     "take(words, release, t0): release (or -1) handed back, handed-back slots taken up, the "
-     "first ready slot HELD, counted and returned (None if none)."},
+     "take(words, held, t0): held (or None) released and handed back, handed-back slots "
+     "taken up, the first ready slot HELD, counted and returned as a batch (None if none)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -312,8 +520,10 @@ static PyTypeObject TakerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "workers._take_c.Taker",
     .tp_basicsize = sizeof(Taker),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The learner's common case of SamplerPool.next() for a quick, unordered pool.",
+    .tp_traverse = (traverseproc)taker_traverse,
+    .tp_clear = (inquiry)taker_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)taker_init,
     .tp_dealloc = (destructor)taker_dealloc,
@@ -325,12 +535,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_take_c",
                                     -1, NULL, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__take_c(void) {
-    if (PyType_Ready(&TakerType) < 0) return NULL;
+    if (PyType_Ready(&BatchCoreType) < 0 || PyType_Ready(&TakerType) < 0) return NULL;
     one = PyLong_FromLong(1);
     if (!one) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    if (PyModule_AddObjectRef(m, "Taker", (PyObject *)&TakerType) < 0) {
+    if (PyModule_AddObjectRef(m, "Taker", (PyObject *)&TakerType) < 0 ||
+        PyModule_AddObjectRef(m, "BatchCore", (PyObject *)&BatchCoreType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -10,7 +10,29 @@ import numpy as np
 from shmbuf.errors import ClosedError
 
 
-class Batch(Mapping[str, Any]):
+class BatchFields:
+    """A ``Batch``'s fields and ``_invalidate``: ``workers._take_c.BatchCore`` where it was built
+    (the compiled ``next()`` makes and lets go of batches with no Python frame), else these."""
+
+    __slots__ = ("_data", "_indices", "_lanes", "_weights", "_release_fn", "_to_fn", "_released",
+                 "slot", "generation", "epoch", "ends_epoch")
+    _data: dict[str, Any]
+
+    def _invalidate(self) -> None:
+        # Drop the views too, so a released batch does not keep the staging ring mapped.
+        self._released = True
+        self._release_fn = self._to_fn = None
+        self._data = {}
+        self._indices = self._lanes = self._weights = None
+
+
+try:
+    from ._take_c import BatchCore as _Fields
+except ImportError:  # the extension is optional
+    _Fields = BatchFields  # type: ignore[misc,assignment]
+
+
+class Batch(_Fields, Mapping[str, Any]):
     """A read-only mapping of field -> array view into one staging slot.
 
     Valid until the next batch is taken from the pool or ``release()`` is called; after that the
@@ -32,8 +54,7 @@ class Batch(Mapping[str, Any]):
             stops after it).
     """
 
-    __slots__ = ("_data", "_indices", "_lanes", "_weights", "_release_fn", "_to_fn", "_released",
-                 "slot", "generation", "epoch", "ends_epoch")
+    __slots__ = ()
 
     def __init__(self, data: dict[str, Any], indices: Any, lanes: Any, weights: Any,
                  release_fn: Any, slot: int = -1, generation: int = 0, to_fn: Any = None,
@@ -143,13 +164,6 @@ class Batch(Mapping[str, Any]):
             self._invalidate()
             if fn is not None:
                 fn(self)
-
-    def _invalidate(self) -> None:
-        # Drop the views too, so a released batch does not keep the staging ring mapped.
-        self._released = True
-        self._release_fn = self._to_fn = None
-        self._data = {}
-        self._indices = self._lanes = self._weights = None
 
     def __repr__(self) -> str:
         if self._released:

@@ -125,18 +125,20 @@ class PythonTaker:
     def __init__(self, delivery: RingDelivery) -> None:
         self.delivery = delivery
 
-    def take(self, words: memoryview, release: int, t0: int) -> int | None:
-        """``release`` (or -1) back to its worker, handed-back slots taken up, the first
-        ready slot HELD, counted as a batch delivered after waiting since ``t0``, and
-        returned, if any."""
+    def take(self, words: memoryview, held: Batch | None, t0: int) -> Batch | None:
+        """``held`` (unless None or released) released and its slot back to its worker,
+        handed-back slots taken up, the first ready slot HELD, counted as a batch delivered
+        after waiting since ``t0``, and returned as a batch, if any."""
         d = self.delivery
-        if release >= 0:
-            d._assign(release)
+        if held is not None and not held.released:  # (else its slot was handed out then)
+            held._invalidate()
+            d._assign(held.slot)
         d._collect()
         slot = d._pop_ready()
-        if slot is not None:
-            d._live_ring().stats.batch_delivered(time.perf_counter_ns() - t0)
-        return slot
+        if slot is None:
+            return None
+        d._live_ring().stats.batch_delivered(time.perf_counter_ns() - t0)
+        return d.hold(slot, 0)  # (a quick pool's batches are plain: the step is not read)
 
 
 def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
@@ -144,11 +146,13 @@ def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
     the delivery's own records) where it was built and batches may leave as they come."""
     if Taker is None or delivery.cfg.ordered:
         return PythonTaker(delivery)
-    book = delivery.book
+    book, d = delivery.book, delivery
     return Taker(ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
                  ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned,
-                 book.ready, delivery.gen, delivery.filled, delivery.tickets,
-                 lambda owner, slot, gen: delivery.children.children[owner].wake(slot, gen))
+                 book.ready, d.gen, d.filled, d.tickets,
+                 lambda owner, slot, gen: d.children.children[owner].wake(slot, gen),
+                 Batch, d.batch_views, d.cache_views, d.release_batch,
+                 d.batch_to if d.to_device else None)
 
 
 class RingDelivery(Delivery):
@@ -250,13 +254,11 @@ class RingDelivery(Delivery):
         if not self.quick or self.failure is not None or self.fences.pending or self.closing \
                 or ring is None:
             return None
-        held = self.held
-        if held is not None:  # its release: a quick pool's is the hand-out (no fences, no rows)
-            self.held = None
-            held._invalidate()
-        slot = self.taker.take(ring.words, -1 if held is None else held.slot, t0)
-        self.occupancy_sum += (len(self.book.ready) + (slot is not None)) / self.n_staging
-        return None if slot is None else self.hold(slot, step)
+        # The held batch's release (a quick pool's is the hand-out), in the take: a close in
+        # another thread finds it released or still held, never holding views unseen.
+        batch = self.held = self.taker.take(ring.words, self.held, t0)
+        self.occupancy_sum += (len(self.book.ready) + (batch is not None)) / self.n_staging
+        return batch
 
     def next(self, timeout: float, step: int) -> Batch:
         """The learner's next batch (the held one released, and messages and deaths looked at
@@ -439,6 +441,7 @@ class RingDelivery(Delivery):
             _keep_mapped(self.ring, timeout)
             self.ring = None
             self.pinned = None  # stays page-locked with its mapping
+        self.taker = None  # (it refers to the views: let the ring close)
         super().close(settled, timeout)
         if self.ring is not None:
             try:
