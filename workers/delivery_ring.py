@@ -441,7 +441,7 @@ class RingDelivery(Delivery):
             _keep_mapped(self.ring, timeout)
             self.ring = None
             self.pinned = None  # stays page-locked with its mapping
-        self.taker = None  # (it refers to the views: let the ring close)
+        self.taker = None  # (its wake-up and records refer back here: no cycle left)
         super().close(settled, timeout)
         if self.ring is not None:
             try:
