@@ -355,3 +355,17 @@ with procs.new_buffer(capacity=64) as buf, \\
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=100)
     assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr
+
+
+def test_records_shortened_under_it_raise_not_crash(twins):
+    """The records are Python lists the delivery owns: shortened (a bug elsewhere), the take
+    raises IndexError instead of reading past them."""
+    (learner, taker), _ = twins
+    learner.ring.set_state(1, READY)
+    del learner.filled[:]
+    with pytest.raises(IndexError):
+        taker.take(learner.ring.words, None, 0)
+    learner.filled[:] = [0, 0]
+    del learner.gen[:]
+    with pytest.raises(IndexError):
+        taker.take(learner.ring.words, None, 0)

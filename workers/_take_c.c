@@ -379,13 +379,12 @@ static int take_up(Taker *self, int64_t *words) {
         PyObject *slot_o = keys[i];
         if (status == 0) {
             Py_ssize_t slot = PyLong_AsSsize_t(slot_o), w = slot % self->n_workers;
-            PyObject *r = NULL, *was = PyList_GET_ITEM(self->filled, w), *now = NULL;
-            if (PyDict_DelItem(self->book_assigned, slot_o) < 0 ||
+            /* (checked access: the lists are Python's, and could have been shortened) */
+            PyObject *r = NULL, *was = PyList_GetItem(self->filled, w), *now = NULL;
+            if (!was || PyDict_DelItem(self->book_assigned, slot_o) < 0 ||
                 !(r = PyObject_CallOneArg(self->ready_append, slot_o)) ||
-                !(now = PyNumber_Add(was, one)))
+                !(now = PyNumber_Add(was, one)) || PyList_SetItem(self->filled, w, now) < 0)
                 status = -1;
-            else
-                PyList_SetItem(self->filled, w, now);
             Py_XDECREF(r);
         }
         Py_DECREF(slot_o);
@@ -411,7 +410,8 @@ static PyObject *make_batch(Taker *self, Py_ssize_t slot) {
         PyErr_SetString(PyExc_TypeError, "a slot's views: (fields, indices, lanes, weights)");
         return NULL;
     }
-    long long generation = PyLong_AsLongLong(PyList_GET_ITEM(self->generations, slot));
+    PyObject *generation_o = PyList_GetItem(self->generations, slot);
+    long long generation = generation_o ? PyLong_AsLongLong(generation_o) : -1;
     BatchCore *b = NULL;
     if (!(generation == -1 && PyErr_Occurred()))
         b = (BatchCore *)self->batch_type->tp_alloc(self->batch_type, 0);
