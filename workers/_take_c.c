@@ -511,7 +511,8 @@ done:
 
 static PyMethodDef taker_methods[] = {
     {"take", (PyCFunction)(void (*)(void))taker_take, METH_FASTCALL,
-     "take(words, held, t0): held (or None) released and handed back, handed-back slots "
+     "take(words, held, t0): held (unless None or released) released and handed back, "
+     "handed-back slots "
      "taken up, the first ready slot HELD, counted and returned as a batch (None if none)."},
     {NULL, NULL, 0, NULL},
 };

@@ -166,7 +166,7 @@ class PoolStats:
     def __init__(self, words: memoryview, stats_offset: int) -> None:
         self._words = words
         self._base = stats_offset // 8
-        # (the compiled take_ready counts its batches in these words too: workers/_take_c.c)
+        # (the compiled take counts its batches in these words too: workers/_take_c.c)
         self.delivered_words = (self._base + L.STAT_BATCHES, self._base + L.STAT_WAIT_NS)
 
     def set_workers(self, n: int) -> None:
