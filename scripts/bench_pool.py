@@ -4,6 +4,8 @@
 In one run, on the same buffers (ratios are measured side by side; this machine is noisy):
   0. the learner's time inside ``pool.next()`` with a 5 ms train step (sleep) between batches,
      p50/p99, 1 and 4 workers (``--base DIR``: beside the same in a checkout of another commit);
+     0b: the same with a 20 ms step, 4 workers and the other cores busy (workers block, and
+     next() wakes them);
   1. learner-side seconds per batch: ``pool.next()`` against in-process ``buf.sample()``;
   2. a training loop whose train step takes as long as one in-process sample: batches/s with the
      pool against in-process sampling;
@@ -48,6 +50,24 @@ WORKLOADS = {
                    reward=((), "float32"), done=((), "bool")),
 }
 CASES = [("atari", 32), ("atari", 256), ("mujoco", 256)]
+# (0b) a train step long enough that each of 4 workers waits 80 ms for its next slot, past the
+# 50 ms it naps before it blocks (sampler_proc.NAP_BEFORE_BLOCKING): next() wakes a worker. The
+# other cores are kept busy, as actors stepping environments keep them.
+LONG_STEP, LONG_STEP_WORKERS = 0.02, 4
+
+
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """``n`` processes spinning on a core each while inside (killed on the way out)."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
 
 
 @contextlib.contextmanager
@@ -77,26 +97,35 @@ def learner_cost(buf: ReplayBuffer, batch: int, workers: int, n: int) -> dict[st
 def sleep_wake(buf: ReplayBuffer, batch: int, workers: int, n: int,
                pause: float = 0.005) -> dict[str, float]:
     """(0) The learner's time inside next() when a train step (a sleep of ``pause``) separates
-    the batches: the learner wakes cold, the workers have refilled the ring meanwhile."""
-    times = []
+    the batches: the learner wakes cold, the workers have refilled the ring meanwhile. Also the
+    share of calls that had to wake a worker: the held slot's worker was blocked (read before
+    the timed call, from its waiting word)."""
+    times, woke = [], 0
     with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
         for _ in range(2 * workers + 2):
             pool.next()
+        d: Any = pool._delivery  # (a RingDelivery holding the last batch)
         for _ in range(n):
             time.sleep(pause)
+            woke += d.ring.waiting(1 + d.held.slot % workers)
             t0 = time.perf_counter()
             pool.next()
             times.append(time.perf_counter() - t0)
     times.sort()
-    return {"p50_s": times[len(times) // 2], "p99_s": times[min(len(times) - 1, len(times) * 99 // 100)]}
+    return {"p50_s": times[len(times) // 2],
+            "p99_s": times[min(len(times) - 1, len(times) * 99 // 100)], "woke": woke / n}
 
 
 def measure_once(kind: str, workers: int, n: int, quick: bool) -> dict[str, float]:
-    """One round of a section that ``--base`` compares, on atari B=256: ``sleep-wake`` (0), or
-    ``back-to-back`` (1: ``pool.next()`` when the ring has refilled, no sleep in between)."""
+    """One round of a section that ``--base`` compares, on atari B=256: ``sleep-wake`` (0),
+    ``long-step`` (0b: the same with a ``LONG_STEP`` sleep), or ``back-to-back`` (1:
+    ``pool.next()`` when the ring has refilled, no sleep in between)."""
     with filled_buffer("atari", 2000 if quick else 20_000) as buf:
         if kind == "sleep-wake":
             return sleep_wake(buf, 256, workers, n)
+        if kind == "long-step":
+            with spinning(max(1, (os.cpu_count() or 2) - 1)):
+                return sleep_wake(buf, 256, workers, n, LONG_STEP)
         return {"next_s": learner_cost(buf, 256, workers, n)["pool_next_s"]}
 
 
@@ -123,17 +152,19 @@ def cold_wake_calibration(n: int, pause: float = 0.005) -> dict[str, float]:
             "p99_s": cold[min(len(cold) - 1, len(cold) * 99 // 100)]}
 
 
-def sleep_wake_rounds(workers: int, n: int, rounds: int, quick: bool) -> dict[str, float]:
-    """Medians over ``rounds`` of ``sleep_wake`` on atari B=256."""
-    runs = [measure_once("sleep-wake", workers, n, quick) for _ in range(rounds)]
-    return {k: statistics.median(r[k] for r in runs) for k in ("p50_s", "p99_s")}
+def sleep_wake_rounds(workers: int, n: int, rounds: int, quick: bool,
+                      kind: str = "sleep-wake") -> dict[str, float]:
+    """Medians over ``rounds`` of ``sleep_wake`` on atari B=256 (``kind``: see measure_once)."""
+    runs = [measure_once(kind, workers, n, quick) for _ in range(rounds)]
+    return {k: statistics.median(r[k] for r in runs) for k in ("p50_s", "p99_s", "woke")}
 
 
-def compare_with_base(base: str, kind: str, n: int, rounds: int, quick: bool
-                      ) -> list[dict[str, Any]]:
+def compare_with_base(base: str, kind: str, n: int, rounds: int, quick: bool,
+                      workers_list: tuple[int, ...] = (1, 4)) -> list[dict[str, Any]]:
     """``kind`` (see ``measure_once``) here and in ``base`` (a checkout, e.g. a git worktree of
-    the base commit), 1 and 4 workers: each round runs both in fresh subprocesses importing
-    shmbuf/workers from their checkout, the order alternating; medians of the rounds."""
+    the base commit), for each of ``workers_list``: each round runs both in fresh subprocesses
+    importing shmbuf/workers from their checkout, the order alternating; medians of the
+    rounds."""
     import json
     import subprocess
 
@@ -147,7 +178,7 @@ def compare_with_base(base: str, kind: str, n: int, rounds: int, quick: bool
         return json.loads(out.strip().splitlines()[-1])
 
     rows = []
-    for workers in (1, 4):
+    for workers in workers_list:
         runs: dict[str, list[dict[str, float]]] = {here: [], base: []}
         for r in range(rounds):
             for root in (here, base) if r % 2 == 0 else (base, here):
@@ -329,6 +360,26 @@ def plot(rows: list[dict[str, float]], path: str, title: str) -> str:
     return f"plot written to {path}"
 
 
+def sleep_wake_section(base: str | None, kind: str, workers_list: tuple[int, ...], n: int,
+                       rounds: int, quick: bool) -> list[dict[str, Any]]:
+    """(0) or (0b): ``kind`` (see ``measure_once``) for each of ``workers_list``, beside
+    ``base`` if given; a line for each."""
+    if base:
+        rows = compare_with_base(base, kind, n, rounds, quick, workers_list)
+    else:
+        rows = [{"n_workers": w, **sleep_wake_rounds(w, n, rounds, quick, kind)}
+                for w in workers_list]
+    for r in rows:
+        line = (f"    {r['n_workers']} worker(s): p50 {r['p50_s'] * 1e6:6.1f} us, "
+                f"p99 {r['p99_s'] * 1e6:6.1f} us, {r['woke']:.0%} woke a worker")
+        if "base_p50_s" in r:
+            line += (f" | base p50 {r['base_p50_s'] * 1e6:6.1f} us, p99 "
+                     f"{r['base_p99_s'] * 1e6:6.1f} us, {r['base_woke']:.0%} | after/before p50 "
+                     f"{r['p50_s'] / r['base_p50_s']:.2f}, p99 {r['p99_s'] / r['base_p99_s']:.2f}")
+        print(line)
+    return rows
+
+
 def back_to_back_only(base: str | None, n: int, rounds: int, quick: bool) -> int:
     """``--only back-to-back``: (1) on atari 256 (``learner_cost``), 1 and 4 workers, beside
     ``base`` if given."""
@@ -361,10 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                         "a faster add then also means more memory traffic beside the learner)")
     p.add_argument("--base", default=None,
                    help="(0) also measure this checkout (e.g. a worktree of the base commit)")
-    p.add_argument("--only", choices=["sleep-wake", "back-to-back"], default=None,
-                   help="run only (0), or only (1) on atari 256 with 1 and 4 workers (the "
-                        "sections --base compares)")
-    p.add_argument("--measure-only", choices=["sleep-wake", "back-to-back"],
+    p.add_argument("--only", choices=["sleep-wake", "long-step", "back-to-back"], default=None,
+                   help="run only (0) and (0b), only (0b), or only (1) on atari 256 with 1 and 4 "
+                        "workers (the sections --base compares)")
+    p.add_argument("--measure-only", choices=["sleep-wake", "long-step", "back-to-back"],
                    help=argparse.SUPPRESS)
     p.add_argument("--measure-workers", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--calls", type=int, default=None, help="(0) next() calls per round")
@@ -391,30 +442,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "back-to-back":
         return back_to_back_only(args.base, n_calls, rounds, quick)
     n_sw = args.calls or (50 if quick else 400)
-    print("(0) learner time inside next() with a 5 ms sleep (train step) between batches, "
-          f"atari 256 (median of {rounds} rounds of {n_sw} calls)")
-    cold = cold_wake_calibration(n_sw)
-    results["cold_wake"] = cold
-    print(f"    calibration: a {cold['warm_p50_s'] * 1e6:.1f} us pure-Python loop takes "
-          f"{cold['p50_s'] * 1e6:.1f} us p50, {cold['p99_s'] * 1e6:.1f} us p99 right after a "
-          f"5 ms sleep on this machine (os.getloadavg: {os.getloadavg()[0]:.1f})")
-    if args.base:
-        rows_sw = compare_with_base(args.base, "sleep-wake", n_sw, rounds, quick)
-    else:
-        rows_sw = [{"n_workers": w, **sleep_wake_rounds(w, n_sw, rounds, quick)} for w in (1, 4)]
-    results["sleep_wake"] = rows_sw
-    for r in rows_sw:
-        line = (f"    {r['n_workers']} worker(s): p50 {r['p50_s'] * 1e6:6.1f} us, "
-                f"p99 {r['p99_s'] * 1e6:6.1f} us")
-        if "base_p50_s" in r:
-            line += (f" | base p50 {r['base_p50_s'] * 1e6:6.1f} us, p99 "
-                     f"{r['base_p99_s'] * 1e6:6.1f} us | after/before p50 "
-                     f"{r['p50_s'] / r['base_p50_s']:.2f}, p99 {r['p99_s'] / r['base_p99_s']:.2f}")
-        print(line)
-        verdicts.append((f"sleep/wake next() <= 20 us p50, <= 50 us p99, {r['n_workers']} "
-                         f"worker(s)", r["p50_s"] <= 20e-6 and r["p99_s"] <= 50e-6,
-                         f"p50 {r['p50_s'] * 1e6:.1f} us, p99 {r['p99_s'] * 1e6:.1f} us"))
-    if args.only == "sleep-wake":
+    if args.only != "long-step":
+        print("(0) learner time inside next() with a 5 ms sleep (train step) between batches, "
+              f"atari 256 (median of {rounds} rounds of {n_sw} calls)")
+        cold = cold_wake_calibration(n_sw)
+        results["cold_wake"] = cold
+        print(f"    calibration: a {cold['warm_p50_s'] * 1e6:.1f} us pure-Python loop takes "
+              f"{cold['p50_s'] * 1e6:.1f} us p50, {cold['p99_s'] * 1e6:.1f} us p99 right after a "
+              f"5 ms sleep on this machine (os.getloadavg: {os.getloadavg()[0]:.1f})")
+        results["sleep_wake"] = sleep_wake_section(args.base, "sleep-wake", (1, 4), n_sw, rounds,
+                                                   quick)
+        for r in results["sleep_wake"]:
+            verdicts.append((f"sleep/wake next() <= 20 us p50, <= 50 us p99, {r['n_workers']} "
+                             f"worker(s)", r["p50_s"] <= 20e-6 and r["p99_s"] <= 50e-6,
+                             f"p50 {r['p50_s'] * 1e6:.1f} us, p99 {r['p99_s'] * 1e6:.1f} us"))
+    n_long = max(10, n_sw // 2)
+    print(f"(0b) the same with a {LONG_STEP * 1e3:g} ms train step, {LONG_STEP_WORKERS} workers "
+          "(which then block between their batches: next() wakes the one whose slot it hands "
+          "back) and every other core kept busy by a spinning process, as actors keep them "
+          f"(median of {rounds} rounds of {n_long} calls; reported, not gated)")
+    results["long_step"] = sleep_wake_section(args.base, "long-step", (LONG_STEP_WORKERS,),
+                                              n_long, rounds, quick)
+    if args.only is not None:
         for name, ok, detail in verdicts:
             print(f"    {'PASS' if ok else 'MISS'}  {name}: {detail}")
         return 0
