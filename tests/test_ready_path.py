@@ -62,7 +62,7 @@ def counting_channel_calls(pool: SamplerPool) -> Iterator[collections.Counter[st
     chans = [w.chan for w in workers]
     poller = delivery.children.poller
     for w in workers:
-        w.chan = Counted(w.chan, counts, ("send", "send_text", "receive", "wait"))
+        w.chan = Counted(w.chan, counts, ("send", "send_text", "receive", "wait", "wake"))
     delivery.children.poller = Counted(poller, counts, ("poll",))
     try:
         yield counts
@@ -217,15 +217,16 @@ def test_which_pools_take_the_common_case(buf, kwargs, quick):
 
 
 def test_release_to_a_blocked_worker_sends_one_wake_up_and_it_fills(pool):
-    """A worker blocked on its channel (its waiting word set) gets exactly one message when the
-    learner hands it a slot, and fills the slot; taking the batch still polls nothing."""
+    """A worker blocked on its channel (its waiting word set) gets exactly one wake-up (an
+    eventfd write, no record) when the learner hands it a slot, and fills the slot; taking the
+    batch still polls nothing."""
     ring = pool._delivery.ring
     wait_for(lambda: states(ring).count(READY) == N_STAGING - 1 and ring.waiting(1),
              what="every other slot READY and the worker blocked")
     held = states(ring).index(HELD)
     with counting_channel_calls(pool) as counts:
         procs.assert_batch_ok(pool.next(timeout=10), 8)
-    assert dict(counts) == {"send": 1}, dict(counts)
+    assert dict(counts) == {"wake": 1}, dict(counts)
     wait_for(lambda: ring.state(held) == READY, timeout=10, what="the woken worker's fill")
 
 

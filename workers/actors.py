@@ -25,7 +25,7 @@ from shmbuf import ReplayBuffer, Writer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import ActorError, ClosedError
 
-from .channel import OP_DONE, OP_ERROR, Channel
+from .channel import OP_DONE, OP_ERROR, Channel, ChildEnd
 from .supervise import Child, ChildSet
 
 RESTART_POLICIES = ("on-failure", "never")
@@ -72,11 +72,11 @@ class ActorContext:
         return self._stop
 
 
-def actor_main(sock: Any, fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int,
+def actor_main(end: ChildEnd, fn_bytes: bytes, buffer_name: str, actor_id: int, lane: int,
                incarnation: int, seed: np.random.SeedSequence, lane_timeout: float) -> None:
     """Entry point of an actor process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us on Ctrl-C
-    chan = Channel(sock)
+    chan = end.channel()
     buf = ctx = None
     try:
         fn = cloudpickle.loads(fn_bytes)

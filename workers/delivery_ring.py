@@ -18,7 +18,7 @@ from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
 from .delivery import Delivery, PoolParts
 from .device import DeviceStage
-from .sampler_proc import OP_WAKE, SamplerConfig, sampler_main
+from .sampler_proc import SamplerConfig, sampler_main
 from .slot_book import SlotBook, SlotRows
 from .staging import (
     ASSIGNED,
@@ -90,11 +90,13 @@ class _WorkerHandle(Child):
         return None
 
     def wake(self, slot: int, generation: int) -> None:
-        """The process sleeps, or is about to, and ``slot`` was assigned to it: a message."""
-        try:
-            self.send(OP_WAKE, slot, generation)
-        except OSError:
-            pass  # it died; its sentinel will say so and the slot is reclaimed then
+        """The process sleeps, or is about to, and ``slot`` was assigned to it: its wake-up
+        (the slot's state says what to do; ``slot`` and ``generation`` are not sent)."""
+        if self.chan is not None:
+            try:
+                self.chan.wake()
+            except OSError:
+                pass  # (not expected of an eventfd; a dead worker's sentinel says so anyway)
 
     def end_if_starting(self) -> None:
         """Kill the process if it has not said HELLO yet: it has nothing to finish. SIGKILL,

@@ -4,10 +4,10 @@ Protocol with the learner: work moves through the slots' STATE words (``staging`
 stores ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows it wrote into the slot), the
 worker FILLING, then READY once the slot is completely written (STALE when a row to gather was
 overwritten first). A slot is only ever marked READY after its last byte is written, so a worker
-killed mid-fill can never hand over a half-filled batch. The socketpair (``channel.Channel``)
-only wakes a side that sleeps (``OP_WAKE`` learner -> worker, ``OP_READY`` worker -> learner,
-sent only when the waiting word says so) and carries ``HELLO``, ``ERROR (traceback)`` and
-``STOP``. What fills a slot is the ``filler.BatchFiller`` the in-process delivery uses too.
+killed mid-fill can never hand over a half-filled batch. The channel (``channel.Channel``)
+only wakes a side that sleeps, when the waiting word says so (learner -> worker by its wake-up
+eventfd, worker -> learner by an ``OP_READY`` record), and carries ``HELLO``, ``ERROR
+(traceback)`` and ``STOP``. What fills a slot is the ``filler.BatchFiller`` the in-process delivery uses too.
 
 The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
 segment's owner lease is free (checked at least every ``LIVENESS_EVERY`` seconds).
@@ -28,7 +28,7 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.priority import PriorityTable
 
-from .channel import OP_ERROR, OP_HELLO, OP_STOP, Channel
+from .channel import OP_ERROR, OP_HELLO, OP_STOP, Channel, ChildEnd
 from .filler import Backoff, BatchFiller
 from .staging import (
     ASSIGNED_ROWS,
@@ -43,7 +43,6 @@ from .staging import (
 )
 
 OP_READY = 2  # worker -> learner: a slot changed state (besides channel.OP_HELLO and OP_ERROR)
-OP_WAKE = 10  # learner -> worker: a slot was assigned to you (besides channel.OP_STOP)
 LIVENESS_EVERY = 0.5
 # With nothing to fill, a worker first naps (sleeps doubling from NAP_FIRST to NAP_MOST seconds,
 # each followed by a look at its slots' states) for this long before it blocks on its channel: a
@@ -73,11 +72,11 @@ class LearnerGone(Exception):
     """The learner process is gone: the worker exits quietly."""
 
 
-def sampler_main(sock: Any, cfg_bytes: bytes, worker_id: int, seed: Any) -> None:
+def sampler_main(end: ChildEnd, cfg_bytes: bytes, worker_id: int, seed: Any) -> None:
     """Entry point of a sampler worker process (any start method)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's; it stops us
     run_as_batch()
-    chan = Channel(sock)
+    chan = end.channel()
     worker = None
     try:
         worker = _Worker(cloudpickle.loads(cfg_bytes), chan, worker_id, seed)

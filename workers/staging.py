@@ -23,18 +23,19 @@ moves by the store of its STATE word, the last store of a hand-over (learner -> 
 ASSIGNED/ASSIGNED_ROWS; worker -> learner: READY/STALE), so no word ever has two writers and a
 reader that sees the new state also sees every byte written before it (x86-64 keeps stores in
 order, and loads in order). A hand-over costs no system call; only a side about to sleep needs
-a message, by this handshake on its waiting word (written only by its waiter): the sleeper
-stores waiting=1, ``full_fence()``, reads the slot states again and blocks on its channel only
-if still nothing is there (``sleeping``); the other side stores the slot's state,
-``full_fence()``, reads the waiting word and sends a wake-up only if it is 1 (``wake_needed``).
-The fences forbid the one reordering x86-64 allows (a later load passing an earlier store), so
-at least one side sees the other's store: either the sleeper's second look finds the state, or
-the waker sends. A wake-up sent between that look and the block is not lost either: it waits in
-the socket and the block (``poll``) returns at once. An extra one is harmless (the states say
-what to do; it is read and dropped later), and a side waits for other reasons (deaths, fences,
-rows to select, liveness) only with a timeout. A dead worker's waiting word may stay 1: its
-restarted process then gets wake-ups it did not need, until its own ``sleeping`` clears the
-word. The learner (the owner of this segment) reclaims a slot from a worker only after that
+a wake-up (the learner's to a worker: a write to the channel's eventfd; a worker's to the
+learner: an ``OP_READY`` record), by this handshake on its waiting word (written only by its
+waiter): the sleeper stores waiting=1, ``full_fence()``, reads the slot states again and blocks
+on its channel only if still nothing is there (``sleeping``); the other side stores the slot's
+state, ``full_fence()``, reads the waiting word and sends a wake-up only if it is 1
+(``wake_needed``). The fences forbid the one reordering x86-64 allows (a later load passing an
+earlier store), so at least one side sees the other's store: either the sleeper's second look
+finds the state, or the waker sends. A wake-up sent between that look and the block is not lost
+either: it waits in the eventfd's count or the socket, and the block (``poll``) returns at
+once. An extra one is harmless (the states say what to do; it is read and dropped later), and a
+side waits for other reasons (deaths, fences, rows to select, liveness) only with a timeout. A
+dead worker's waiting word may stay 1: its restarted process then gets wake-ups it did not
+need, until its own ``sleeping`` clears the word. The learner (the owner of this segment) reclaims a slot from a worker only after that
 worker's process is gone.
 """
 

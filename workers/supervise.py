@@ -174,8 +174,8 @@ class ChildSet(Generic[ChildT]):
 
     def start(self, child: ChildT, *args: Any) -> None:
         """Start (or restart) ``child`` as ``target(its socket, *args)``."""
-        chan, child_sock = Channel.pair()
-        proc = self.ctx.Process(target=self.target, args=(child_sock, *args),
+        chan, child_end = Channel.pair()
+        proc = self.ctx.Process(target=self.target, args=(child_end, *args),
                                 name=f"{self.name}-{child.child_id}", daemon=True)
         # Known before the fork, so the at-fork hook closes the parent's end in the child.
         child.chan = chan
@@ -184,7 +184,7 @@ class ChildSet(Generic[ChildT]):
         try:
             proc.start()
         finally:
-            child_sock.close()
+            child_end.close()
         child.proc = proc
         for fd, kind in ((chan.fd, "msg"), (proc.sentinel, "exit")):
             self.poller.register(fd, READABLE)
