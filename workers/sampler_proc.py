@@ -7,7 +7,8 @@ overwritten first). A slot is only ever marked READY after its last byte is writ
 killed mid-fill can never hand over a half-filled batch. The channel (``channel.Channel``)
 only wakes a side that sleeps, when the waiting word says so (learner -> worker by its wake-up
 eventfd, worker -> learner by an ``OP_READY`` record), and carries ``HELLO``, ``ERROR
-(traceback)`` and ``STOP``. What fills a slot is the ``filler.BatchFiller`` the in-process delivery uses too.
+(traceback)`` and ``STOP``. What fills a slot is the ``filler.BatchFiller`` the in-process
+delivery uses too.
 
 The worker exits by itself when the learner is gone: its pipe reaches EOF, or the staging
 segment's owner lease is free (checked at least every ``LIVENESS_EVERY`` seconds).
