@@ -11,6 +11,7 @@ the learner updates priorities on every batch. Exits non-zero on any corrupt row
 gap, any hang past ``--hang-timeout``, or any entry left in /dev/shm.
 
     python scripts/stress.py --actors 3 --workers 2 --seconds 30 --kill-every 0.5
+    python scripts/stress.py --workers 4 --train-step 0.02   # workers block: next() wakes them
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized", "queue"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-step", type=float, default=0.0,
+                   help="seconds the learner sleeps after each batch (e.g. 0.02: the workers "
+                        "then block between batches, and next() wakes them)")
     args = p.parse_args(argv)
 
     shm_before = set(os.listdir(SHM_DIR))
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 for k in np.unique(batch.lanes):
                     delivered[k].append(np.asarray(batch.indices)[np.asarray(batch.lanes) == k])
             group.poll()
+            if args.train_step > 0:
+                time.sleep(args.train_step)
             now = time.monotonic()
             if now >= next_kill:
                 next_kill = now + args.kill_every
