@@ -111,14 +111,21 @@ def learner_side_ids(pool: SamplerPool) -> dict[int, int]:
     return out
 
 
-def assert_each_holds_its_own(wanted: dict[int, int]) -> None:
+def assert_each_holds_its_own(wanted: dict[int, int], timeout: float = 20.0) -> None:
     """Each worker holds its channel's eventfd, once, and no other worker's. (Under fork it
-    also inherits whatever other eventfds the test process holds: not ours to check.)"""
+    also inherits whatever other eventfds the test process holds: not ours to check.) Read
+    until it holds or ``timeout``: a just-forked child closes the parent's copies in its
+    at-fork hook, which may not have run yet when the learner already lists its pid."""
+    deadline = time.monotonic() + timeout
     for pid, eid in wanted.items():
-        ids = eventfd_ids(pid)
         others = set(wanted.values()) - {eid}
-        assert ids.count(eid) == 1 and not others & set(ids), \
-            f"worker {pid} holds eventfds {ids}; its own is {eid}, the others' {others}"
+        while True:
+            ids = eventfd_ids(pid)
+            if ids.count(eid) == 1 and not others & set(ids):
+                break
+            assert time.monotonic() < deadline, \
+                f"worker {pid} holds eventfds {ids}; its own is {eid}, the others' {others}"
+            time.sleep(0.005)
 
 
 def test_each_worker_waits_on_its_channels_eventfd(buf, start_method):
