@@ -5,8 +5,8 @@
   of preempting it in the middle of ``next()``. Restarted workers too; the learner's own policy
   and every worker's nice value are left as they were.
 - The learner wakes a blocked worker through the eventfd of its channel (``Channel.wake``), not
-  a record: each worker holds exactly one eventfd, the same one as its channel in the learner,
-  under every start method and after a restart, and the learner's are closed with the pool.
+  a record: each worker holds its channel's eventfd once and no other worker's, under every
+  start method and after a restart, and the learner's are closed with the pool.
 """
 
 from __future__ import annotations
