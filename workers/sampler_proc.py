@@ -100,8 +100,8 @@ def run_as_batch() -> None:
     """Put this process under ``SCHED_BATCH``: the same CPU share as before (nice is kept), but
     its wake-ups never preempt the task running where it wakes. A worker wakes often (each nap,
     each slot handed to it), and the scheduler may place it on the learner's CPU: under the
-    default policy it then took that CPU for the rest of its time slice (3 ms on Linux 6.x) in
-    the middle of the learner's ``next()`` or the actor's ``add()``. Where the policy cannot be
+    default policy it then took that CPU for the rest of its time slice (milliseconds) in the
+    middle of the learner's ``next()`` or the actor's ``add()``. Where the policy cannot be
     set (not Linux, or refused), the worker runs as it was started."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
