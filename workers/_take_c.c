@@ -14,7 +14,7 @@
  * the learner loads STATE with acquire before it hands out views of the data. Handing a slot
  * back stores GENERATION and OWNER, then STATE with release, then a full fence before it reads
  * the owner's waiting word (the waker's half of the handshake): if it is set, the worker
- * sleeps or is about to, and wake(owner, slot, generation) sends it a message. The words are
+ * sleeps or is about to, and wake(owner, slot, generation) wakes it. The words are
  * not held (no buffer export) while that Python callback runs.
  *
  * BatchCore is what workers.batch.Batch is made on: its fields and _invalidate() in C, so the

@@ -91,7 +91,8 @@ class _WorkerHandle(Child):
 
     def wake(self, slot: int, generation: int) -> None:
         """The process sleeps, or is about to, and ``slot`` was assigned to it: its wake-up
-        (the slot's state says what to do; ``slot`` and ``generation`` are not sent)."""
+        (the slot's state says what to do; ``slot`` and ``generation`` are not sent, and are
+        there for whoever records the wake-ups: the twin tests of ``_take_c`` compare them)."""
         if self.chan is not None:
             try:
                 self.chan.wake()

@@ -35,8 +35,8 @@ either: it waits in the eventfd's count or the socket, and the block (``poll``) 
 once. An extra one is harmless (the states say what to do; it is read and dropped later), and a
 side waits for other reasons (deaths, fences, rows to select, liveness) only with a timeout. A
 dead worker's waiting word may stay 1: its restarted process then gets wake-ups it did not
-need, until its own ``sleeping`` clears the word. The learner (the owner of this segment) reclaims a slot from a worker only after that
-worker's process is gone.
+need, until its own ``sleeping`` clears the word. The learner (the owner of this segment)
+reclaims a slot from a worker only after that worker's process is gone.
 """
 
 from __future__ import annotations
