@@ -93,7 +93,7 @@ LANE_EPOCH = 3  # bumped by every writer that takes the lane
 LANE_HEARTBEAT = 4  # time.time_ns() of the writer's last publish (sampled, not every add)
 LANE_WRITER_PID = 5  # pid of the lane's current (or last) writer
 LANE_EPISODE_START = 6  # logical index of the current episode's first step
-LANE_RELEASED = 7  # queue mode: rows below this were delivered (written by the queue's pool)
+LANE_CONSUMED = 7  # queue mode: rows below this were consumed (released by a learner; ``Limiter``)
 LANE_LINES = 8
 # Word 1 of the LANE_EPOCH line: the lane's floor, "indices below this were cleared". Stored only
 # by the holder of LOCK_CLEAR (clear(), restores); never by the lane's writer, whose hot path

@@ -114,41 +114,50 @@ class Limiter:
     Writers call ``wait_for_insert`` before they publish rows; samplers ask ``can_sample``
     before they draw (once per batch, on every sampling path: worker draws, learner-selected
     rows, in-process) and ``record_samples`` once the batch is gathered; the pool that drives
-    the limit ``take``s it, then ``configure``s, ``set_queue``s and ``deactivate``s it, and
-    reads ``blocked_reason`` and ``stats`` (a holder whose counts are kept elsewhere sets them
-    with ``set_counts``).
+    the limit ``take``s it, then ``configure``s it (a ratio) or ``open_queue``s it (queue mode:
+    ``consume`` as the learner releases batches, ``close_queue`` at a clean close), and
+    ``deactivate``s it; it reads ``blocked_reason`` and ``stats`` (a holder whose counts are
+    kept elsewhere sets them with ``set_counts``).
+
+    The queue outlives its learner: the lanes' consumed cursors (``LANE_CONSUMED``) stay in the
+    segment, writers go on waiting on them while no learner holds the lock, and the next
+    ``open_queue`` resumes after them. A ratio limit whose holder died is void at once.
 
     Concurrency (who writes which word; everyone else only loads):
 
     - the config lines (``LIM_SPI``, ``LIM_MIN_DIFF``, ``LIM_MAX_DIFF``, ``LIM_MIN_SIZE``,
       ``LIM_INSERTS_BASE``, ``LIM_N_SAMPLERS``, ``LIM_ACTIVE``, ``LIM_QUEUE``,
       ``LIM_GENERATION``): only the process holding ``LOCK_LIMITER`` (``take``), through
-      ``configure``, ``set_counts``, ``set_queue`` and ``deactivate``; each bumps ``LIM_GENERATION`` last, so
-      a writer that sees the generation it read before may keep the room it was granted;
+      ``configure``, ``set_counts``, ``open_queue``, ``close_queue`` and ``deactivate``; each
+      bumps ``LIM_GENERATION`` last, so a writer that sees the generation it read before may
+      keep the room it was granted;
     - sampler counter j (``layout.sampler_counter(j)``): only the process holding sampler slot
       j of the limiting pool (worker j, or the in-process pool as sampler 0), through
       ``record_samples``; ``configure`` zeroes them before it activates the limit; a holder of
       ``LOCK_LIMITER`` whose samples are counted elsewhere (a ``ReplayCluster`` host) is
       sampler 0's holder and sets it, with ``LIM_INSERTS_BASE``, through ``set_counts``;
     - inserts are the lanes' ``committed`` words, each stored by its lane's writer (``slots``);
-      in queue mode ``LANE_RELEASED`` is stored by the queue's pool (``workers.selection``);
+      the lanes' consumed cursors (``LANE_CONSUMED``): only the holder of ``LOCK_LIMITER``, through
+      ``open_queue`` and ``consume`` (a queue pool's learner, as it releases batches);
       a lane's floor (``CLEARED_BELOW_WORD``) by ``clear()``: rows below it are neither held
       (``_size``) nor waiting for delivery.
 
     Nobody waits on a lock a dead process could hold: a writer that finds no room probes
-    ``LOCK_LIMITER``, and a limiter whose pool died is treated as lifted. Samplers that check
-    concurrently may each take one batch past the limit (Reverb serialises them; we do not).
+    ``LOCK_LIMITER``, and a ratio whose pool died is treated as lifted. A queue is not: its
+    writers wait (up to their timeout) for the next learner, which resumes where the dead one
+    stopped, so no row is lost. Samplers that check concurrently may each take one batch past
+    the limit (Reverb serialises them; we do not).
     """
 
     def __init__(self, segment: Segment, mm: mmap.mmap, layout: L.BufferLayout,
                  words: memoryview, committed: np.ndarray, reserved: np.ndarray,
-                 released: np.ndarray, cleared_below: np.ndarray) -> None:
+                 consumed: np.ndarray, cleared_below: np.ndarray) -> None:
         self._segment = segment
         self._mm = mm  # the segment's mapping (f64 words); closing it is the segment's business
         self._q = words
         self._capacity = layout.capacity
         self._lanes = layout.lanes
-        self._committed_v, self._reserved_v, self._released_v = committed, reserved, released
+        self._committed_v, self._reserved_v, self._consumed_v = committed, reserved, consumed
         self._floor_v = cleared_below
         self._cfg = layout.limiter_offset // 8
         self._ctr = layout.sampler_counter(0) // 8
@@ -161,7 +170,7 @@ class Limiter:
 
     def drop_views(self) -> None:
         """Let go of the segment's memory (the storage is closing); the limiter is unusable."""
-        self._q = self._committed_v = self._reserved_v = self._released_v = None  # type: ignore[assignment]
+        self._q = self._committed_v = self._reserved_v = self._consumed_v = None  # type: ignore[assignment]
         self._floor_v = None  # type: ignore[assignment]
 
     # -- reading the block ------------------------------------------------------------------------
@@ -198,6 +207,14 @@ class Limiter:
     def _queue_active(self) -> bool:
         return self._q[self._word(L.LIM_QUEUE)] == 1
 
+    def _unconsumed(self, lanes: Any) -> np.ndarray:
+        """Per lane of ``lanes``: rows committed and not yet consumed by a queue's learner. Rows
+        below a lane's floor were cleared: they wait for nobody. (A cursor past ``committed``,
+        left by a lane emptied for a restore, counts as all consumed.)"""
+        committed = self._committed_v[lanes]
+        done = np.maximum(self._consumed_v[lanes], self._floor_v[lanes])
+        return committed - np.minimum(done, committed)
+
     def _size(self) -> int:
         """Rows readable now, over all lanes (``BufferStorage.windows().total``)."""
         lo, hi = slots.read_windows(self._reserved_v, self._committed_v, self._capacity,
@@ -211,9 +228,10 @@ class Limiter:
         allowed per lane before the next check, the generation read).
 
         Two limits apply when a pool sets them: the samples-per-insert ratio, and queue mode (a
-        lane may hold at most ``capacity`` rows not yet delivered). Both are lifted at once if
-        the pool that set them dies. ``check_open`` is called while waiting (it raises to end
-        the wait: a closed or stopped writer).
+        lane may hold at most ``capacity`` rows not yet consumed). The ratio is lifted at once
+        if the pool that set it dies; the queue holds until the next queue pool resumes it (or
+        a pool closes it cleanly). ``check_open`` is called while waiting (it raises to end the
+        wait: a closed or stopped writer).
 
         Raises:
             RateLimitTimeout: not within ``timeout`` (nothing was written).
@@ -234,11 +252,9 @@ class Limiter:
                         f"{n} rows at once can never fit a queue of {capacity} rows per lane. "
                         f"Fix: split the batch"
                     )
-                # rows below a lane's floor were cleared: they wait for no delivery
-                undelivered = self._committed_v[lanes] - np.maximum(self._released_v[lanes],
-                                                                    self._floor_v[lanes])
+                undelivered = self._unconsumed(lanes)
                 room = min(room, int(capacity - undelivered.max()))
-                why = f"the queue is full ({int(undelivered.max())} rows not yet delivered)"
+                why = f"the queue is full ({int(undelivered.max())} rows not yet consumed)"
             if limit is not None:
                 inserts = self._total_committed() - base
                 samples = self._samples(n_samplers)
@@ -258,16 +274,19 @@ class Limiter:
                            f"{limit.samples_per_insert}: the samplers are not keeping up")
             if room >= n:
                 return min(room, max(n, ROOM_CHECK_EVERY)), gen
-            if not self._segment.probe(L.LOCK_LIMITER):
-                # The pool that set the limit died without lifting it: nobody samples any more,
-                # so the limits are void, as if lifted. Grant a whole check interval (not just
+            if not queue and not self._segment.probe(L.LOCK_LIMITER):
+                # The pool that set the ratio died without lifting it: nobody samples any more,
+                # so the limit is void, as if lifted. Grant a whole check interval (not just
                 # ``n``, which would send every later row through this probe); a pool that
                 # limits the buffer again bumps the generation, which writers notice at once.
+                # (A queue holds: its next learner resumes at the consumed cursors.)
                 return max(4 * n, ROOM_CHECK_EVERY), gen
             check_open()
             now = time.monotonic()
             if now >= deadline:
-                fix = ("a larger timeout, or a learner that takes batches faster" if queue else
+                fix = ("a larger timeout, or a learner that takes batches faster (with no "
+                       "learner, open a queue pool: it resumes the queue; closing one cleanly "
+                       "ends queue mode)" if queue else
                        "a larger timeout, more sampling, or a larger samples_per_insert "
                        "tolerance")
                 raise RateLimitTimeout(
@@ -366,6 +385,7 @@ class Limiter:
         q[self._word(L.LIM_INSERTS_BASE)] = origin - int(credit)
         q[self._word(L.LIM_N_SAMPLERS)] = n_samplers
         q[self._word(L.LIM_ACTIVE)] = 1
+        q[self._word(L.LIM_QUEUE)] = 0  # a dead queue learner's queue ends: a ratio replaces it
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
         return origin
 
@@ -387,9 +407,34 @@ class Limiter:
         q[self._word(L.LIM_QUEUE)] = 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
 
-    def set_queue(self, on: bool) -> None:
-        """Queue mode on or off: writers then wait while their lane holds ``capacity`` rows not
-        yet delivered (``LANE_RELEASED``)."""
+    def open_queue(self) -> np.ndarray:
+        """Queue mode on (holder of ``LOCK_LIMITER`` only): writers wait while a lane holds
+        ``capacity`` rows not yet consumed. Returns per lane the first row to deliver: the
+        consumed cursor a queue left (a learner's, dead or closed), or the oldest row held if
+        writers have overwritten rows past it since (the queue was closed meanwhile)."""
+        lo, hi = slots.read_windows(self._reserved_v, self._committed_v, self._capacity,
+                                    self._floor_v)
+        first = np.clip(self._consumed_v, lo, hi).astype(np.int64)
+        self._consumed_v[...] = first
         q = self._q
-        q[self._word(L.LIM_QUEUE)] = 1 if on else 0
+        q[self._word(L.LIM_QUEUE)] = 1
+        q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1
+        return first
+
+    def consume(self, lanes: Any, indices: Any) -> None:
+        """Rows ``(lanes, indices)`` were consumed (their batch released; holder only): each
+        lane's cursor moves past the last of them. Batches leave a queue in order and each
+        lane's rows in order, so every earlier row of the lane was consumed before them."""
+        ends = np.asarray(indices, np.int64).reshape(-1) + 1
+        np.maximum.at(self._consumed_v, np.asarray(lanes, np.int64).reshape(-1), ends)
+
+    def consumed(self) -> np.ndarray:
+        """A copy of the lanes' consumed cursors (rows below were consumed by a queue)."""
+        return self._consumed_v.copy()
+
+    def close_queue(self) -> None:
+        """Queue mode off at a clean close (holder only): writers go on; the cursors stay, and
+        a later queue resumes after them (rows writers overwrite meanwhile are skipped)."""
+        q = self._q
+        q[self._word(L.LIM_QUEUE)] = 0
         q[self._word(L.LIM_GENERATION)] = q[self._word(L.LIM_GENERATION)] + 1

@@ -149,7 +149,7 @@ class BufferStorage:
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
         self.limiter = Limiter(self.segment, mm, lay, words=self.words, committed=self.committed,
-                               reserved=self.reserved, released=lanes[:, L.LANE_RELEASED, 0],
+                               reserved=self.reserved, consumed=lanes[:, L.LANE_CONSUMED, 0],
                                cleared_below=self.cleared_below)
         self.episodes: EpisodeTable | None = None
         if lay.episode_capacity:

@@ -271,27 +271,33 @@ def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = F
 
 
 def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_batch: bool,
-                      pool_kwargs: dict[str, Any]) -> None:
+                      pool_kwargs: dict[str, Any], take: int = 0) -> None:
     """A process that runs a pool over ``buffer_name`` (``hold_a_batch``: and keeps one batch,
-    so that its worker fills the other slot and then samples no more), reports its pid, staging
-    ring and workers, then waits to be killed (no cleanup of any kind runs)."""
+    so that its worker fills the other slot and then samples no more; ``take``: takes that
+    many batches, keeping the last), reports its pid, staging ring, priority table, workers and
+    the ``(lanes, indices)`` of the batches it took, then waits to be killed (no cleanup of any
+    kind runs)."""
     from workers import SamplerPool
 
     pool = SamplerPool(buffer_name, start_method=start_method, **pool_kwargs)
-    if hold_a_batch:
+    taken = []
+    for _ in range(max(take, int(hold_a_batch))):
         batch = pool.next(timeout=30)
         assert_batch_ok(batch, pool_kwargs["batch_size"])
-    conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids})
+        taken.append((np.asarray(batch.lanes).tolist(), np.asarray(batch.indices).tolist()))
+    table = pool._table
+    conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids,
+               "table": table.name if table is not None else None, "taken": taken})
     while True:
         time.sleep(1)
 
 
 @contextlib.contextmanager
 def pool_process(buf: shmbuf.ReplayBuffer, start_method: str, hold_a_batch: bool = False,
-                 **pool_kwargs: Any) -> Iterator[tuple[Any, dict]]:
+                 take: int = 0, **pool_kwargs: Any) -> Iterator[tuple[Any, dict]]:
     """A spawned ``pool_process_main`` over ``buf`` (``SamplerPool(**pool_kwargs)``), started
     and reported; yields (process, its report). On the way out the process, then its workers
-    and the staging ring it leaks when killed, are cleaned up."""
+    and the staging ring and priority table it leaks when killed, are cleaned up."""
     import multiprocess
 
     from shmbuf.shmdir import unlink
@@ -300,13 +306,15 @@ def pool_process(buf: shmbuf.ReplayBuffer, start_method: str, hold_a_batch: bool
     info = None
     try:
         with reporting_child(spawn, pool_process_main, buf.name, start_method, hold_a_batch,
-                             pool_kwargs, what="the pool process") as (owner, _, info):
+                             pool_kwargs, take, what="the pool process") as (owner, _, info):
             yield owner, info
     finally:
         if info is not None:
             kill_quietly(info["workers"])
             wait_dead(info["workers"], 5)
-            unlink(info["staging"])  # the dead process's leaked staging ring
+            for name in (info["staging"], info["table"]):  # a dead process's leaks, if any
+                if name is not None:
+                    unlink(name)
 
 
 def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str

@@ -200,7 +200,7 @@ def test_queue_mode_counts_undelivered_rows_from_the_floor():
         limiter = buf.storage.limiter
         lease = limiter.take()
         try:
-            limiter.set_queue(True)
+            limiter.open_queue()
             with buf.writer(lane=0, insert_timeout=0.2) as w:
                 for i in range(8):
                     w.add(**make_row(0, i))
@@ -209,7 +209,7 @@ def test_queue_mode_counts_undelivered_rows_from_the_floor():
                 buf.clear()
                 w.add(**make_row(0, 8))  # nothing undelivered above the floor
                 assert rows_of(buf, 0).tolist() == [8]
-            limiter.set_queue(False)
+            limiter.close_queue()
         finally:
             lease.close()
 

@@ -101,6 +101,8 @@ class Delivery:
         self.batch_size = parts.cfg.batch_size
         self.out_fields = [name for name, _, _ in parts.out_arrays]
         self.selection = parts.selection
+        self.consumes = parts.selection.consumes  # releases are reported to the selection
+        self.held_rows: tuple[Any, Any] = (None, None)  # (lanes, indices) of held, if consumes
         self.weighted = parts.selection.table is not None  # batches carry importance weights
         self.to_device = parts.cfg.output == "torch"  # batches have Batch.to
         # A batch is its slot's views as they are: nothing to compute or wrap in the learner.
@@ -227,6 +229,8 @@ class Delivery:
             fields, indices, lanes, weights = self.batch_views.get(slot) or self.cache_views(slot)
         batch = self.held = Batch(fields, indices, lanes, weights, self.release_batch, slot,
                                   self.gen[slot], self.batch_to if self.to_device else None, info)
+        if self.consumes:  # (views of the slot: whole until it is handed out again)
+            self.held_rows = (lanes, indices)
         if self.weighted:
             self.recent.add(indices, np.array(lanes))
         return batch
@@ -246,6 +250,8 @@ class Delivery:
         if batch is not self.held:
             return
         self.held = None
+        if self.consumes:  # (the queue: its rows are consumed now)
+            self.selection.released(*self.held_rows)
         if on_device:
             if self.stage is not None:  # else torn down: the device buffers are gone
                 self.stage.give_back(batch.slot)
@@ -301,6 +307,8 @@ class Delivery:
                       self.release_device_batch, index, gen, info=info)
         if self.weighted:
             self.recent.add(indices, lanes.numpy())
+        if self.consumes:
+            self.held_rows = (lanes, indices)
         self.held = batch
         return batch
 
@@ -348,6 +356,8 @@ class Delivery:
     def release_held(self) -> None:
         """Teardown, first step: invalidate the held batch; fence what may still read it."""
         if self.held is not None:
+            if self.consumes:  # a clean close consumes the batch in the learner's hands
+                self.selection.released(*self.held_rows)
             if self.pinned is not None and self.backend is not None and self.stage is None:
                 # The learner's own async copies of the held batch: wait for them below.
                 self.fences.add(self.held.slot, self.backend.record_current())

@@ -80,7 +80,6 @@ class InProcessDelivery(Delivery):
                 continue
             write_rows(self.local, *rows)
             if self.filler.gather(0):
-                self.selection.gathered(0)  # in our memory now: writers may reuse their slots
                 return
             self.selection.stale(rows)  # overwritten meanwhile: select again
 

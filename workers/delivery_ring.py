@@ -332,7 +332,6 @@ class RingDelivery(Delivery):
                     self.rows.stale(slot)
                     self._assign(slot, requeue=False)
                     continue
-                self.selection.gathered(slot)
             book.append(slot)
             filled[slot % n_workers] += 1
         return len(back)

@@ -289,7 +289,11 @@ class SamplerPool(EpochIteration):
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers (gracefully, then firmly), lift the rate limit and free the staging
-        ring. Wakes a thread blocked in ``next()``. Idempotent."""
+        ring. Wakes a thread blocked in ``next()``. Idempotent.
+
+        With ``sampler="queue"``, the batch in the learner's hands counts as consumed (the next
+        queue pool on the buffer starts after it), unless the pool's ``with`` block is left by
+        an exception: then it comes again, as after a crash."""
         timeout = timeout_seconds("timeout", timeout)
         if self._closed:
             return
@@ -326,7 +330,9 @@ class SamplerPool(EpochIteration):
     def __enter__(self) -> SamplerPool:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None and self._delivery is not None:
+            self._delivery.consumes = False  # the batch in hand was not finished with
         self.close()
 
     def __del__(self) -> None:

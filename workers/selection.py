@@ -12,8 +12,9 @@ before they draw.
   row's deliveries, and retires a row (priority 0) when it reaches ``k``. A row is never
   selected more than ``k`` times, duplicates within a batch included.
 - ``QueueSelection``: every row delivered exactly once, oldest first per lane (lanes taken in
-  turn). The lane word ``released`` tells writers which rows are safe to overwrite: they wait
-  while a lane holds ``capacity`` rows not yet gathered (``Limiter.wait_for_insert``).
+  turn), across learner restarts too. The lanes' consumed cursors in the buffer tell writers
+  which rows are safe to overwrite: they wait while a lane holds ``capacity`` rows that no
+  learner has released yet (``Limiter.wait_for_insert``).
 - ``EpochSelection``: epochs over the rows (or a plan's sequence or frame-stack starts) held
   when each epoch begins, each exactly once per epoch in a seeded random order (offline RL,
   behaviour cloning), the last batch of an epoch short, skipped or carried over.
@@ -27,7 +28,6 @@ import numpy as np
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import EmptyBufferError
-from shmbuf.layout import LANE_RELEASED
 from shmbuf.priority import PriorityTable
 from shmbuf.sampling import Draw, sumtree
 from shmbuf.window_priority import WindowPriorityTable
@@ -57,6 +57,7 @@ class Selection:
     rate_limits: ClassVar[bool] = False  # paces writers itself: holds the buffer's limiter lock
     tags_batches: ClassVar[bool] = False  # writes ``staging.INFO`` (epochs, short batches)
     enters_rows: ClassVar[bool] = False  # enter_new_rows does something: call it per batch
+    consumes: ClassVar[bool] = False  # released does something: call it per released batch
     table: PriorityTable | None = None
 
     @property
@@ -71,11 +72,8 @@ class Selection:
         """``batch_size`` rows, or None if that many cannot be chosen now (nothing is spent)."""
         raise NotImplementedError(f"{type(self).__name__}: workers draw their own rows")
 
-    def track(self, slot: int, rows: Rows) -> None:
-        """``rows`` were written into staging ``slot`` for a worker to gather."""
-
-    def gathered(self, slot: int) -> None:
-        """The rows of ``slot`` are in staging now."""
+    def released(self, lanes: Any, indices: Any) -> None:
+        """The learner released a batch of these rows; only where ``consumes``."""
 
     def stale(self, rows: Rows) -> None:
         """Rows overwritten before a worker gathered them."""
@@ -221,19 +219,25 @@ class CountedSelection(Selection):
 
 
 class QueueSelection(Selection):
-    """Each row exactly once, oldest first within a lane; writers wait when a lane is full."""
+    """Each row exactly once, oldest first within a lane; writers wait when a lane is full.
+
+    The lanes' consumed cursors live in the buffer (``Limiter.open_queue``/``consume``): a row
+    is consumed when the learner releases its batch (its next ``next()``, ``release()``, or a
+    clean ``close()``), and writers wait on the cursors, so a row is never overwritten before a
+    learner has finished with it. A new queue pool on the buffer resumes after them: rows staged
+    but never released are gathered again, nothing released comes again (the one batch a
+    learner held when it was killed does: at least once for that batch).
+    """
 
     learner_selects = True
     rate_limits = True
+    consumes = True
 
     def __init__(self, buf: ReplayBuffer) -> None:
         self.buf = buf
-        self.assigned = buf.windows().lo.copy()  # next row to hand out, per lane
-        self.inflight: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> rows
+        self.limiter = buf.storage.limiter
+        self.assigned = self.limiter.open_queue()  # next row to hand out, per lane
         self.turn = 0
-        self._released = buf.storage.lane_words[:, LANE_RELEASED, 0]
-        self._released[...] = self.assigned
-        buf.storage.limiter.set_queue(True)
 
     def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
         pending = self.buf.storage.committed - self.assigned
@@ -255,24 +259,17 @@ class QueueSelection(Selection):
         self.turn = (self.turn + 1) % n_lanes
         return np.concatenate(lanes), np.concatenate(indices), None, 0.0
 
-    def track(self, slot: int, rows: Rows) -> None:
-        self.inflight[slot] = (rows[0], rows[1])
-
-    def gathered(self, slot: int) -> None:
-        """The slot's rows are in staging now: writers may overwrite them."""
-        self.inflight.pop(slot, None)
-        low = self.assigned.copy()
-        for lanes, indices in self.inflight.values():
-            np.minimum.at(low, lanes, indices)
-        self._released[...] = low
+    def released(self, lanes: Any, indices: Any) -> None:
+        """The learner is done with a batch of these rows: writers may overwrite them."""
+        if not self.buf.closed:
+            self.limiter.consume(lanes, indices)
 
     def stale(self, rows: Rows) -> None:
         """Only possible for rows written over just as queue mode began: they are lost."""
 
     def close(self) -> None:
-        if not self.buf.closed and self._released.size:
-            self.buf.storage.limiter.set_queue(False)
-        self._released = np.zeros(0, np.int64)  # a view of the buffer: let the buffer close
+        if not self.buf.closed:
+            self.limiter.close_queue()
 
 
 class EpochSelection(Selection):

@@ -92,7 +92,6 @@ class SlotRows:
                 self.waiting.append(slot)
                 return None
             self.by_slot[slot] = rows
-            self.selection.track(slot, rows)
         return rows
 
     def retry(self, assign: Callable[[int], None]) -> None:
@@ -107,7 +106,6 @@ class SlotRows:
     def stale(self, slot: int) -> None:
         """``slot``'s rows were overwritten before its worker gathered them."""
         self.selection.stale(self.by_slot.pop(slot))
-        self.selection.gathered(slot)
 
     def done(self, slot: int) -> None:
         """The learner is done with ``slot``'s rows."""
