@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -114,6 +113,34 @@ def sleep_wake(buf: ReplayBuffer, batch: int, workers: int, n: int,
     times.sort()
     return {"p50_s": times[len(times) // 2],
             "p99_s": times[min(len(times) - 1, len(times) * 99 // 100)], "woke": woke / n}
+
+
+def timeout_forms(buf: ReplayBuffer, batch: int, workers: int, n: int, rounds: int,
+                  pause: float = 0.005) -> dict[str, float]:
+    """(0c) ``pool.next()`` against ``pool.next(timeout=10)`` after a train step (a sleep of
+    ``pause``), in one pool and process: alternating rounds of ``n`` calls of each form, each
+    written out as a direct call (a ``functools.partial`` or a lambda would add cold work of
+    its own). The p50 of each form over all its calls, and their ratio."""
+    plain: list[float] = []
+    timed: list[float] = []
+    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+        for _ in range(2 * workers + 2):
+            pool.next()
+        for _ in range(rounds):
+            for _ in range(n):
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                pool.next()
+                plain.append(time.perf_counter() - t0)
+            for _ in range(n):
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                pool.next(timeout=10)
+                timed.append(time.perf_counter() - t0)
+    plain.sort()
+    timed.sort()
+    p50, p50_timeout = plain[len(plain) // 2], timed[len(timed) // 2]
+    return {"plain_p50_s": p50, "timeout_p50_s": p50_timeout, "ratio": p50_timeout / p50}
 
 
 def measure_once(kind: str, workers: int, n: int, quick: bool) -> dict[str, float]:
@@ -456,6 +483,17 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append((f"sleep/wake next() <= 20 us p50, <= 50 us p99, {r['n_workers']} "
                              f"worker(s)", r["p50_s"] <= 20e-6 and r["p99_s"] <= 50e-6,
                              f"p50 {r['p50_s'] * 1e6:.1f} us, p99 {r['p99_s'] * 1e6:.1f} us"))
+    if args.only in (None, "sleep-wake"):
+        n_forms = 40 if quick else 200
+        print(f"(0c) next() and next(timeout=10) after a 5 ms sleep, atari 256, 1 worker, one "
+              f"pool: {rounds} alternating rounds of {n_forms} calls of each")
+        with filled_buffer("atari", 2000 if quick else 20_000) as buf:
+            forms = timeout_forms(buf, 256, 1, n_forms, rounds)
+        results["timeout_forms"] = forms
+        print(f"    next() p50 {forms['plain_p50_s'] * 1e6:.1f} us, next(timeout=10) p50 "
+              f"{forms['timeout_p50_s'] * 1e6:.1f} us: ratio {forms['ratio']:.2f}")
+        verdicts.append(("next(timeout=10) within 10% of next() after a train step",
+                         forms["ratio"] <= 1.10, f"ratio {forms['ratio']:.2f}"))
     n_long = max(10, n_sw // 2)
     print(f"(0b) the same with a {LONG_STEP * 1e3:g} ms train step, {LONG_STEP_WORKERS} workers "
           "(which then block between their batches: next() wakes the one whose slot it hands "

@@ -27,6 +27,9 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+_SECONDS = (float, int)  # (bool is a subclass of int, not int: it takes the full check)
+
+
 def timeout_seconds(name: str, value: Any, positive: bool = False) -> float:
     """Seconds for a blocking call: a finite real number >= 0 (> 0 if ``positive``).
 
@@ -35,6 +38,8 @@ def timeout_seconds(name: str, value: Any, positive: bool = False) -> float:
     waits forever: pass a large number instead), negatives, and anything that is not a real
     number, strings included (``"5"``: convert user input first; the CLI does).
     """
+    if type(value) in _SECONDS and 0 < value < math.inf:  # the common case, without the ABC
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(
             f"{name} must be a number of seconds, got {value!r} (a {type(value).__name__}). "

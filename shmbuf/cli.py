@@ -19,11 +19,11 @@ import numpy as np
 
 from . import layout, top
 from .checks import timeout_seconds
-from .errors import SegmentFormatError, ShmbufError
-from .lease import is_locked
+from .errors import ShmbufError
+from .reclaim import remove_dead
 from .scan import SegmentInfo, open_regular, scan
-from .segment import Segment, fmt_bytes, read_header
-from .shmdir import SHM_DIR, normalize_name, unlink
+from .segment import Segment, fmt_bytes
+from .shmdir import SHM_DIR, normalize_name
 from .spec import Spec
 
 PLUGIN_GROUP = "shmbuf.commands"
@@ -140,21 +140,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _still_leaked(name: str) -> bool:
-    """Re-check right before unlinking: still a regular file that validates as a shmbuf
-    segment (or one still uninitialised), and its owner lease is still free."""
-    fd = open_regular(os.path.join(SHM_DIR, name))
-    if fd is None:
-        return False
-    try:
-        read_header(fd, name)
-        return not is_locked(fd, layout.LOCK_OWNER)
-    except (SegmentFormatError, OSError):
-        return False
-    finally:
-        os.close(fd)
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
     """``shmbuf gc [--dry-run] [NAME ...]``: unlink leaked segments, never a live one.
 
@@ -180,7 +165,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         what = f"{info.name} ({info.kind_name}, {owner}, {fmt_bytes(info.size)})"
         if args.dry_run:
             print(f"would remove {what}")
-        elif _still_leaked(info.name) and unlink(info.name):
+        elif remove_dead(info.name):  # claimed first: never one a successor just adopted
             print(f"removed {what}")
         else:
             continue

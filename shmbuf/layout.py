@@ -120,6 +120,9 @@ STAT_BATCHES = 0  # batches delivered to the learner
 STAT_WAIT_NS = 1  # nanoseconds the learner spent waiting in next(), summed
 STAT_RESTARTS = 2  # sampler worker restarts
 STAT_WORKERS = 3  # sampler workers alive
+STAT_RECLAIMED = 4  # segments of dead learners of the buffer the pool removed at its start
+STAT_RECLAIMED_BYTES = 5  # their bytes
+STAT_ADOPTED = 6  # 1: the pool took over a dead learner's priority table
 STAGING_STATS_LINES = 1
 
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).

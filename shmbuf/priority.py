@@ -28,14 +28,24 @@ redraws, since a slot's occupant could be one.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from . import layout
-from .errors import ClosedError, EmptyBufferError, InvalidPriorityError, SamplingError
+from .errors import (
+    ClosedError,
+    EmptyBufferError,
+    InvalidPriorityError,
+    SamplingError,
+    SegmentExistsError,
+    SegmentFormatError,
+    SegmentNotFoundError,
+)
 from .sampling import Draw, Windows, sumtree
+from .scan import scan
 from .segment import Segment
 
 if TYPE_CHECKING:
@@ -51,16 +61,33 @@ class _TableLayout(NamedTuple):
     sums: int
     mins: int
     generations: int
+    learner: int  # the learner's words: synced [lanes], judged [lanes], max priority (f8)
+    usable: int  # window tables: per slot, whether its start was judged usable (u1)
     total: int
 
 
-def _table_layout(lanes: int, capacity: int, json_len: int) -> _TableLayout:
+def _table_layout(lanes: int, capacity: int, json_len: int, windows: bool) -> _TableLayout:
     width = sumtree.tree_width(capacity)
     sums = layout.header_size(json_len)
     mins = layout.align(sums + lanes * width * 8)
     generations = layout.align(mins + lanes * width * 8)
-    total = layout.align(generations + lanes * capacity * 8, layout.PAGE)
-    return _TableLayout(width, sums, mins, generations, total)
+    learner = layout.align(generations + lanes * capacity * 8)
+    usable = layout.align(learner + (2 * lanes + 1) * 8)
+    end = usable + (lanes * capacity if windows else 0)
+    return _TableLayout(width, sums, mins, generations, learner, usable,
+                        layout.align(end, layout.PAGE))
+
+
+def table_doc(buf: ReplayBuffer, alpha: float, eps: float, *, counted: bool = False,
+              plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The layout document of a priority table of ``buf`` (as its header will read it back):
+    a dead learner's table whose document equals a new pool's is that pool's to adopt."""
+    doc = {"kind": "priorities", "buffer": buf.name, "lanes": buf.lanes,
+           "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps),
+           "final_rows": bool(buf.storage.derived_next_obs), "counted": bool(counted),
+           "plan": plan}
+    decoded: dict[str, Any] = json.loads(layout.encode_layout(doc))
+    return decoded
 
 
 class PriorityTable:
@@ -70,7 +97,14 @@ class PriorityTable:
     stays finite: a stored value is at most ``float64 max / (2 * lanes * capacity)``, so even a
     table full of rows entered at the largest priority (``sync``) sums to at most half the
     float64 range; ``update`` refuses priorities above ``max_allowed``.
+
+    The learner's own state (rows entered so far, the largest priority) lives in the segment
+    too, where workers never read it: a learner killed and restarted on the same buffer adopts
+    its predecessor's table (``create`` with ``adopt=True``) and goes on from its priorities,
+    as Reverb keeps them on its server.
     """
+
+    adopted = False  # this table was a dead learner's (``create(..., adopt=True)``)
 
     def __init__(self, segment: Segment) -> None:
         doc = segment.header.doc
@@ -80,38 +114,74 @@ class PriorityTable:
         # The buffer stores FINAL rows (derived next_obs), which no draw may deliver.
         self.final_rows = bool(doc.get("final_rows", True))
         self.max_allowed = _max_priority(self.alpha, self.eps, self.lanes * self.capacity)
-        offsets = _table_layout(self.lanes, self.capacity, len(layout.encode_layout(doc)))
+        windows = doc.get("plan") is not None
+        offsets = _table_layout(self.lanes, self.capacity, len(layout.encode_layout(doc)),
+                                windows)
         memory = segment.buf
         if memory is None:
             raise ClosedError(f"priority table {segment.name!r} is closed")
-        nodes = offsets.width
-        self.sums = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.sums
-                                  ).reshape(self.lanes, nodes)
-        self.mins = np.frombuffer(memory, "<f8", self.lanes * nodes, offsets.mins
-                                  ).reshape(self.lanes, nodes)
+        nodes, lanes = offsets.width, self.lanes
+        self.sums = np.frombuffer(memory, "<f8", lanes * nodes, offsets.sums).reshape(lanes, nodes)
+        self.mins = np.frombuffer(memory, "<f8", lanes * nodes, offsets.mins).reshape(lanes, nodes)
         # per slot: the logical index of the row its priority was set for (-1: none)
-        self.gen = np.frombuffer(memory, "<i8", self.lanes * self.capacity, offsets.generations)
-        # Learner-side state (private to the owner).
-        self.max_priority = 1.0
-        self.synced = np.zeros(self.lanes, np.int64)
-        self.updates_dropped = 0
+        self.gen = np.frombuffer(memory, "<i8", lanes * self.capacity, offsets.generations)
+        # The learner's state (only the learner reads or writes it): per lane, rows below
+        # ``synced`` were entered, starts below ``judged`` valued (window tables); the largest
+        # priority set so far; per slot, whether a window start was judged usable.
+        self.synced = np.frombuffer(memory, "<i8", lanes, offsets.learner)
+        self.judged = np.frombuffer(memory, "<i8", lanes, offsets.learner + 8 * lanes)
+        self._max = np.frombuffer(memory, "<f8", 1, offsets.learner + 16 * lanes)
+        self.usable = np.frombuffer(memory, np.bool_, lanes * self.capacity if windows else 0,
+                                    offsets.usable)
+        self.updates_dropped = 0  # (this learner's own count)
+
+    @property
+    def max_priority(self) -> float:
+        """The largest priority set so far (new rows enter at it)."""
+        return float(self._max[0])
+
+    @max_priority.setter
+    def max_priority(self, value: float) -> None:
+        self._max[0] = value
 
     @classmethod
-    def create(cls, buf: ReplayBuffer, alpha: float = 0.6, eps: float = 1e-6) -> PriorityTable:
+    def create(cls, buf: ReplayBuffer, alpha: float = 0.6, eps: float = 1e-6, *,
+               counted: bool = False, plan: dict[str, Any] | None = None,
+               adopt: bool = False) -> PriorityTable:
+        """A new table for ``buf``'s learner (``counted``: a ``max_times_sampled`` pool's, whose
+        counts live in its learner's memory; ``plan``: a window table's plan). With ``adopt``,
+        a table a dead learner left with the same document is taken over instead, if one is
+        there (an atomic claim of its owner lease: of two pools opening at once, one adopts
+        it); its trees are rebuilt from their leaves (a death mid-update may have left a
+        parent stale). A counted table is never adopted."""
         if not (math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be finite and >= 0, got {alpha!r}")
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
-        doc = {"kind": "priorities", "buffer": buf.name, "lanes": buf.lanes,
-               "capacity": buf.capacity, "alpha": float(alpha), "eps": float(eps),
-               "final_rows": bool(buf.storage.derived_next_obs)}
+        doc = table_doc(buf, alpha, eps, counted=counted, plan=plan)
+        if adopt and not counted:
+            for info in scan():
+                if (info.header is None or info.alive or info.header.kind != layout.KIND_PRIORITY
+                        or info.header.doc != doc):
+                    continue
+                try:
+                    table = cls(Segment.adopt(info.name, layout.KIND_PRIORITY))
+                except (SegmentExistsError, SegmentNotFoundError, SegmentFormatError):
+                    continue  # another learner took it first, or it is gone
+                sumtree.rebuild(table.sums, table.mins)
+                table.adopted = True
+                return table
+        windows = plan is not None
         segment = Segment.create(None, layout.KIND_PRIORITY, doc,
-                                 lambda n: _table_layout(buf.lanes, buf.capacity, n).total)
+                                 lambda n: _table_layout(buf.lanes, buf.capacity, n,
+                                                         windows).total)
         table = cls(segment)
         table.mins[...] = np.inf
         table.gen[...] = -1
+        table.max_priority = 1.0
         # Rows already in the buffer enter at the initial maximum priority on the first sync.
         table.synced[...] = buf.windows().lo
+        table.judged[...] = table.synced
         return table
 
     @classmethod
@@ -348,7 +418,9 @@ class PriorityTable:
     def close(self) -> None:
         # Drop the views of the mapping so that it can be closed (idempotent).
         self.sums = self.mins = np.empty((self.lanes, 0))
-        self.gen = np.empty(0, np.int64)
+        self.gen = self.synced = self.judged = np.empty(0, np.int64)
+        self._max = np.ones(1)
+        self.usable = np.empty(0, np.bool_)
         self.segment.close()
 
 

@@ -356,6 +356,10 @@ class Segment:
             raise SegmentExistsError(
                 f"segment {seg.name!r} has a live owner (pid {seg.header.owner_pid}); only a "
                 f"segment whose owner died can be adopted. Fix: attach to it instead")
+        if not seg._still_named():  # a reclaim (``shmbuf.reclaim``) unlinked it meanwhile
+            lease.close()
+            seg.close()
+            raise SegmentNotFoundError(f"segment {seg.name!r} was removed while being adopted")
         pid, start = os.getpid(), process_start_time(os.getpid())
         assert seg.buf is not None
         seg.buf[L.H_OWNER_PID:L.H_OWNER_START + 8] = struct.pack("<QQ", pid, start)
@@ -363,6 +367,17 @@ class Segment:
         seg.owner, seg.owner_lease, seg.pid = True, lease, pid
         register_owned(seg.name)
         return seg
+
+    def _still_named(self) -> bool:
+        """Whether this segment's name still names the file this process has mapped."""
+        if self.fd is None:
+            return False
+        try:
+            named = os.stat(os.path.join(SHM_DIR, self.name), follow_symlinks=False)
+        except OSError:
+            return False
+        mine = os.fstat(self.fd)
+        return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
     # -- liveness ----------------------------------------------------------------------------------
     def owner_alive(self) -> bool:

@@ -23,6 +23,7 @@ from .buffer import ReplayBuffer
 from .errors import ShmbufError
 from .limiter import RateLimit
 from .scan import SegmentInfo, open_regular, scan
+from .segment import fmt_bytes
 from .shmdir import SHM_DIR
 
 MAX_LANES_SHOWN = 16  # per buffer; the rest are summed up in one line
@@ -45,6 +46,9 @@ class PoolCounters:
     wait_ns: int
     restarts: int
     workers: int
+    reclaimed: int = 0  # segments of dead learners it removed at its start
+    reclaimed_bytes: int = 0
+    adopted: bool = False  # it took over a dead learner's priorities
 
 
 def read_pool(info: SegmentInfo) -> PoolCounters | None:
@@ -86,7 +90,8 @@ def read_pool(info: SegmentInfo) -> PoolCounters | None:
         buffer=str(doc.get("buffer", "?")), batch_size=int(doc.get("batch_size", 0)),
         n_slots=n_slots, slots=counts, batches=int(stats[L.STAT_BATCHES]),
         wait_ns=int(stats[L.STAT_WAIT_NS]), restarts=int(stats[L.STAT_RESTARTS]),
-        workers=int(stats[L.STAT_WORKERS]),
+        workers=int(stats[L.STAT_WORKERS]), reclaimed=int(stats[L.STAT_RECLAIMED]),
+        reclaimed_bytes=int(stats[L.STAT_RECLAIMED_BYTES]), adopted=bool(stats[L.STAT_ADOPTED]),
     )
 
 
@@ -170,6 +175,10 @@ class Top:
             out.append(f"{p.name:<28} {p.buffer:<28} {p.batches:>8} {rate:>8.1f} "
                        f"{wait:>6.1%}  {p.workers:>7} {p.restarts:>8}  "
                        f"{slots} (of {p.n_slots}){owner}")
+            if p.reclaimed or p.adopted:
+                took = "; took over a dead learner's priorities" if p.adopted else ""
+                out.append(f"  reclaimed {p.reclaimed} segment(s) of dead learners "
+                           f"({fmt_bytes(p.reclaimed_bytes)}){took}")
         return out
 
     def _buffer_lines(self, info: SegmentInfo, now: float, batch_size: int) -> list[str]:

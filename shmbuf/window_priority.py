@@ -5,6 +5,7 @@ of a window's per-step priorities.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,25 +67,30 @@ class WindowPriorityTable(PriorityTable):
     reader: PlanReader
     lag = 0  # newest rows a start's window may read after it
     eta = R2D2_ETA
-    judged: np.ndarray  # per lane: every start below it has its value (learner side)
-    usable: np.ndarray  # per slot: whether its start was judged usable (learner side)
+    # (learner side, in the segment: ``judged`` per lane, every start below it has its value;
+    # ``usable`` per slot, the start there was judged usable: updates keep others at 0)
 
     @classmethod
     def create_for(cls, buf: ReplayBuffer, compiled: Compiled, alpha: float = 0.6,
-                   eps: float = 1e-6, eta: float = R2D2_ETA) -> WindowPriorityTable:
-        """A table of ``compiled``'s window starts of ``buf``, for its learner (the writer)."""
+                   eps: float = 1e-6, eta: float = R2D2_ETA, adopt: bool = False
+                   ) -> WindowPriorityTable:
+        """A table of ``compiled``'s window starts of ``buf``, for its learner (the writer);
+        ``adopt``: a dead learner's table of the same plan, if there is one (``create``)."""
         eta = checked_eta(eta)
         from .reader import PlanReader  # (as BatchReader does: only where plans are read)
 
-        table = cls.create(buf, alpha, eps)
+        table = cls.create(buf, alpha, eps, plan=cls.plan_doc(compiled, eta), adopt=adopt)
         assert isinstance(table, cls)  # ``create`` makes a ``cls``
         table.reader = PlanReader(buf.storage, compiled)
         table.lag = max(0, int(table.reader.offsets[-1]))
         table.eta = eta
-        table.judged = table.synced.copy()  # per lane: starts below it have their values
-        # per slot: the start there was judged usable (learner side; updates keep others at 0)
-        table.usable = np.zeros(buf.lanes * buf.capacity, bool)
         return table
+
+    @staticmethod
+    def plan_doc(compiled: Compiled, eta: float) -> dict[str, Any]:
+        """What a table's layout document says of its plan (a dead learner's table is adopted
+        only by a pool of the same plan and eta)."""
+        return {"plan": dataclasses.asdict(compiled.plan), "eta": checked_eta(eta)}
 
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
         """Enter new rows as starts at zero, then value every start whose window is written:

@@ -271,12 +271,13 @@ def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = F
 
 
 def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_batch: bool,
-                      pool_kwargs: dict[str, Any], take: int = 0) -> None:
+                      pool_kwargs: dict[str, Any], take: int = 0,
+                      priorities: list[float] | None = None) -> None:
     """A process that runs a pool over ``buffer_name`` (``hold_a_batch``: and keeps one batch,
     so that its worker fills the other slot and then samples no more; ``take``: takes that
-    many batches, keeping the last), reports its pid, staging ring, priority table, workers and
-    the ``(lanes, indices)`` of the batches it took, then waits to be killed (no cleanup of any
-    kind runs)."""
+    many batches, keeping the last; ``priorities``: sets them for rows 0.. of lane 0), reports
+    its pid, staging ring, priority table, workers, the ``(lanes, indices)`` of the batches it
+    took and its stats, then waits to be killed (no cleanup of any kind runs)."""
     from workers import SamplerPool
 
     pool = SamplerPool(buffer_name, start_method=start_method, **pool_kwargs)
@@ -285,16 +286,22 @@ def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_bat
         batch = pool.next(timeout=30)
         assert_batch_ok(batch, pool_kwargs["batch_size"])
         taken.append((np.asarray(batch.lanes).tolist(), np.asarray(batch.indices).tolist()))
+    if priorities is not None:
+        applied = pool.update_priorities(np.arange(len(priorities)), np.asarray(priorities),
+                                         lanes=0)
+        assert applied == len(priorities), applied
     table = pool._table
     conn.send({"pid": os.getpid(), "staging": pool.staging_name, "workers": pool.worker_pids,
-               "table": table.name if table is not None else None, "taken": taken})
+               "table": table.name if table is not None else None, "taken": taken,
+               "stats": pool.stats()})
     while True:
         time.sleep(1)
 
 
 @contextlib.contextmanager
-def pool_process(buf: shmbuf.ReplayBuffer, start_method: str, hold_a_batch: bool = False,
-                 take: int = 0, **pool_kwargs: Any) -> Iterator[tuple[Any, dict]]:
+def pool_process(buf: shmbuf.ReplayBuffer | str, start_method: str, hold_a_batch: bool = False,
+                 take: int = 0, priorities: list[float] | None = None, **pool_kwargs: Any
+                 ) -> Iterator[tuple[Any, dict]]:
     """A spawned ``pool_process_main`` over ``buf`` (``SamplerPool(**pool_kwargs)``), started
     and reported; yields (process, its report). On the way out the process, then its workers
     and the staging ring and priority table it leaks when killed, are cleaned up."""
@@ -305,8 +312,10 @@ def pool_process(buf: shmbuf.ReplayBuffer, start_method: str, hold_a_batch: bool
     spawn = multiprocess.get_context("spawn")
     info = None
     try:
-        with reporting_child(spawn, pool_process_main, buf.name, start_method, hold_a_batch,
-                             pool_kwargs, take, what="the pool process") as (owner, _, info):
+        name = buf if isinstance(buf, str) else buf.name
+        with reporting_child(spawn, pool_process_main, name, start_method, hold_a_batch,
+                             pool_kwargs, take, priorities, what="the pool process"
+                             ) as (owner, _, info):
             yield owner, info
     finally:
         if info is not None:

@@ -284,3 +284,59 @@ def test_epoch_refuses_what_it_cannot_do(buf):
         with pytest.raises(ShmbufError, match="sampler='epoch'"):
             pool.epoch()
         assert pool.next().epoch is None and not pool.next().ends_epoch
+
+
+def _gather_after_overwriting(nth: int, gather):
+    """A ``BatchFiller.gather`` that, at its ``nth`` call (in the worker), first overwrites the
+    whole of lane 0 (rows whose obs still names their (lane, index)): that batch's lane-0 rows
+    are gone before it is gathered, so the worker hands its slot back STALE."""
+    calls = [0]
+
+    def gather_late(self, slot):
+        calls[0] += 1
+        if calls[0] == nth:
+            with self.buf.writer(lane=0) as w:
+                first = w.committed
+                w.extend({"obs": np.stack([np.zeros(64, np.int64), np.arange(first, first + 64)], 1)})
+        return gather(self, slot)
+    return gather_late
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_an_epochs_last_batch_overwritten_before_it_was_gathered(buf, monkeypatch, drop_last):
+    """The worker finds an epoch's last batch overwritten (lane 0 lapped) while the learner has
+    handed out batches of the next epoch already (the chaos stress found this: ``batch.epoch``
+    went back). Batches never go back to an earlier epoch and no row comes twice in an epoch.
+    With ``drop_last=False`` the batch is replaced in its place by its rows still held, a short
+    batch that ends the epoch; with ``drop_last=True`` (whole batches only) they are lost to
+    the epoch and ``epoch()`` ends it before the first batch of the next one, which the next
+    ``epoch()`` starts with. (fork only: the worker inherits the patched gather.)"""
+    from workers import filler
+
+    per_epoch = sum(HELD) // B + (0 if drop_last else 1)  # the last gather of epoch 0
+    monkeypatch.setattr(filler.BatchFiller, "gather",
+                        _gather_after_overwriting(per_epoch, filler.BatchFiller.gather))
+    with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=4, sampler="epoch", seed=3,
+                     start_method="fork", drop_last=drop_last) as pool:
+        epochs = []
+        for _ in range(3):
+            rows, tags, ends = [], [], []
+            for batch in pool.epoch(timeout=30):
+                rows += _row_ids(batch)
+                tags.append(batch.epoch)
+                ends.append(batch.ends_epoch)
+            epochs.append((rows, tags, ends))
+    (rows0, tags0, ends0), (rows1, tags1, ends1), _ = epochs
+    assert tags0 == [0] * len(tags0) and tags1 == [1] * len(tags1)
+    assert len(rows0) == len(set(rows0)) and len(rows1) == len(set(rows1))
+    lost = {r for r in ALL_ROWS if r[0] == 0} - set(rows0)
+    if drop_last:  # the last batch is gone: the epoch ended without it
+        assert len(tags0) == per_epoch - 1 and not any(ends0)
+    else:  # replaced in its place by its lane-1 rows
+        assert len(tags0) == per_epoch and ends0[-1] and not any(ends0[:-1])
+        assert rows0[-(len(rows0) - (per_epoch - 1) * B):]  # a short last batch
+        assert set(rows0) | lost == ALL_ROWS
+    assert lost, "no row of lane 0 was overwritten: the test did not test"
+    # Epoch 1 began before lane 0 was lapped: its lane-0 rows are lost to it too, and with
+    # whole batches only its last one may be; an epoch ends at most once, at its end.
+    assert not any(ends1[:-1]) and (ends1[-1] or drop_last)

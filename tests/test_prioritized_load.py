@@ -51,6 +51,32 @@ def test_the_learner_never_raises_while_writers_lap_the_ring(start_method):
     assert 0 < applied <= sent
 
 
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_a_counted_pool_whose_rows_are_lapped_right_after_its_sync_selects_again(
+        monkeypatch, sampler):
+    """``max_times_sampled``: a writer laps the whole lane between the learner's table sync and
+    its draw (as when the learner is descheduled or SIGSTOPped there, which the chaos stress
+    found): every entered row moved on. ``next()`` syncs again and delivers a batch of rows
+    the buffer holds; it used to raise ``SamplingError``."""
+    from workers import selection
+
+    sync = selection.CountedSelection.sync
+    with procs.new_buffer(capacity=64, lanes=1) as buf, buf.writer(lane=0) as w, \
+         SamplerPool(buf, n_workers=0, batch_size=16, sampler=sampler, max_times_sampled=2,
+                     seed=0) as pool:
+        lapped = []
+
+        def sync_then_lap(self) -> None:
+            sync(self)
+            if not lapped:  # once: the writer laps the lane before the draw
+                w.extend(procs.make_batch(0, np.arange(w.committed, w.committed + 64)))
+                lapped.append(w.committed)
+        monkeypatch.setattr(selection.CountedSelection, "sync", sync_then_lap)
+        batch = pool.next(timeout=10)
+        procs.assert_batch_ok(batch, 16)
+        assert lapped and (np.asarray(batch.indices) >= lapped[0] - 64).all()
+
+
 def test_sync_enters_a_lapped_lane_as_slices_with_the_generations_of_the_rows_held():
     """A lane that wrote 10x its capacity since the last sync: ``sync`` enters exactly the rows
     held (one or two runs of slots), at the maximum priority, with their generations; the trees

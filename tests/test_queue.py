@@ -276,6 +276,7 @@ def test_a_new_learner_resumes_after_a_sigkilled_one(n_workers, start_method):
         with SamplerPool(buf.name, batch_size=10, n_workers=n_workers, sampler="queue",
                          start_method=start_method) as pool:
             ledger = Ledger(1, start=[20])
+            ledger.take(pool.next(timeout=30), 10)  # (workers starting up)
             ledger.drain(pool, 10, timeout=0.5)
             assert ledger.next[0] == 200
 
@@ -291,7 +292,7 @@ def test_a_new_learner_resumes_after_a_clean_close(n_workers, start_method):
     with procs.new_buffer(capacity=256, lanes=1, rows=0) as buf:
         procs.fill(buf, 200)
         with SamplerPool(buf, **kwargs) as pool:
-            Ledger(1).drain(pool, 10, timeout=5, batches=3)
+            Ledger(1).drain(pool, 10, timeout=30, batches=3)
         assert buf.storage.limiter.consumed().tolist() == [30]
         with pytest.raises(KeyError), SamplerPool(buf, **kwargs) as pool:
             ledger = Ledger(1, start=[30])
@@ -300,6 +301,7 @@ def test_a_new_learner_resumes_after_a_clean_close(n_workers, start_method):
         assert buf.storage.limiter.consumed().tolist() == [30]
         with SamplerPool(buf, **kwargs) as pool:
             ledger = Ledger(1, start=[30])
+            ledger.take(pool.next(timeout=30), 10)  # (workers starting up)
             ledger.drain(pool, 10, timeout=0.5)
             assert ledger.next[0] == 200
 

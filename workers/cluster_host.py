@@ -15,8 +15,8 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
 from shmbuf.limiter import RateLimit
-from shmbuf.scan import scan
-from shmbuf.shmdir import unlink
+from shmbuf.reclaim import remove_dead_segments
+from shmbuf.scan import SegmentInfo
 from shmbuf.storage import BufferStorage
 
 from .cluster_rate import Report
@@ -52,17 +52,15 @@ def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
 
 def remove_leaked_segments(prefix: str) -> list[str]:
     """Unlink the dead-owner segments of ``prefix``: node buffers named with it, and the staging
-    rings and priority trees of pools over them (their layout names the buffer)."""
-    removed = []
-    for info in scan():
-        h = info.header
-        if h is None or info.alive:
-            continue
-        of = h.doc.get("buffer") if isinstance(h.doc, dict) else None
-        if (info.name.startswith(prefix) or (isinstance(of, str) and of.startswith(prefix))) \
-                and unlink(info.name):
-            removed.append(info.name)
-    return removed
+    rings and priority tables of pools over them (their layout names the buffer), each claimed
+    first (``shmbuf.reclaim``, the mechanism a restarted learner's pool uses for its buffer)."""
+
+    def of_prefix(info: SegmentInfo) -> bool:
+        of = info.header.doc.get("buffer") if info.header is not None and \
+            isinstance(info.header.doc, dict) else None
+        return info.name.startswith(prefix) or (isinstance(of, str) and of.startswith(prefix))
+
+    return list(remove_dead_segments(of_prefix).names)
 
 
 class NodeHost:

@@ -329,8 +329,11 @@ class RingDelivery(Delivery):
         for slot in back:
             if self.selects:
                 if ring.state(slot) != READY:  # STALE: its rows were overwritten
-                    self.rows.stale(slot)
-                    self._assign(slot, requeue=False)
+                    if self.rows.stale(slot):  # replaced in its place (epochs)
+                        self._assign(slot, requeue=False)
+                    else:  # a new batch: after those handed out before it
+                        self.book.unassigned(slot)
+                        self._assign(slot)
                     continue
             book.append(slot)
             filled[slot % n_workers] += 1

@@ -37,6 +37,7 @@ class EpochIteration:
 
     _config: PoolConfig
     _selection: Selection
+    _pending: Batch | None  # a batch taken but not handed out yet (by ``epoch()``)
     if TYPE_CHECKING:  # provided by SamplerPool
         def _check_open(self) -> None: ...
         def next(self, timeout: float | None = None) -> Batch: ...
@@ -44,6 +45,9 @@ class EpochIteration:
     def epoch(self, timeout: float | None = None) -> Iterator[Batch]:
         """The batches of one epoch: from the next batch to the one that ends its epoch
         (``batch.ends_epoch``), each valid until the next is taken; ``timeout`` as ``next``'s.
+        Where writers overwrote an epoch's last batch before it was gathered, the epoch ends
+        before the first batch of the next one, which the next ``next()`` (or ``epoch()``)
+        returns.
 
         Raises:
             ShmbufError: the pool's sampler is not "epoch" (raised here, not when iterating).
@@ -55,8 +59,16 @@ class EpochIteration:
         return self._epoch_batches(timeout)
 
     def _epoch_batches(self, timeout: float | None) -> Iterator[Batch]:
+        first = None
         while True:
             batch = self.next(timeout)
+            if first is None:
+                first = batch.epoch
+            elif batch.epoch is not None and first is not None and batch.epoch > first:
+                # The epoch's last batch was lost (its rows overwritten before they were
+                # gathered): this one begins the next epoch; the next ``next()`` returns it.
+                self._pending = batch
+                return
             yield batch
             if batch.ends_epoch:
                 return

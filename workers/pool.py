@@ -20,6 +20,7 @@ from shmbuf import ReplayBuffer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
 from shmbuf.priority import PriorityTable
+from shmbuf.reclaim import Reclaimed, remove_dead_segments, serves_buffer
 from shmbuf.sampling.plan import Plan
 from shmbuf.segment import Lease
 from shmbuf.window_priority import WindowPriorityTable
@@ -31,8 +32,17 @@ from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
 from .device import Backend
 from .epochs import EpochIteration
-from .selection import Selection, UniformSelection, open_selection, selection_kind
+from .selection import (
+    Selection,
+    UniformSelection,
+    open_selection,
+    selection_kind,
+    table_to_adopt,
+)
 from .supervise import forget, parent_only
+
+
+_SECONDS = (float, int)  # timeouts that need no more than a range check
 
 
 class SamplerPool(EpochIteration):
@@ -131,6 +141,8 @@ class SamplerPool(EpochIteration):
         self._own_buffer = not isinstance(buffer, ReplayBuffer)
         self._buf = buffer if isinstance(buffer, ReplayBuffer) else ReplayBuffer.attach(buffer)
         self._delivery: Delivery | None = None
+        self._pending: Batch | None = None
+        self._reclaimed = Reclaimed()
         self._selection: Selection = UniformSelection()
         self._limit = LimiterHold(self._buf)  # the rate limiter's lock, if the pool takes it
         try:
@@ -163,6 +175,13 @@ class SamplerPool(EpochIteration):
         kind = selection_kind(cfg, compiled)
         if cfg.limit is not None or kind.rate_limits:
             self._limit.take(cfg)
+        # What earlier pools on this buffer left when their learner died (staging rings,
+        # priority tables), removed before this pool sizes its own; a dead prioritized
+        # learner's table that fits this pool is adopted instead (``open_selection``).
+        adopt = table_to_adopt(kind, buf, cfg, compiled)
+        self._reclaimed = remove_dead_segments(
+            lambda info: serves_buffer(info, buf.name)
+            and (info.header is None or info.header.doc != adopt))
         self._selection = open_selection(kind, buf, cfg, compiled)
         parts = PoolParts(buf, cfg, compiled, cfg.output_arrays(compiled), self._selection,
                           backend)
@@ -173,6 +192,11 @@ class SamplerPool(EpochIteration):
         self._started = time.monotonic()
         self._batches, self._wait_s = 0, 0.0
         delivery.start()
+        ring = getattr(delivery, "ring", None)
+        if ring is not None:  # what ``shmbuf top`` shows of the reclaim
+            ring.stats.set_reclaimed(len(self._reclaimed), self._reclaimed.nbytes,
+                                     self._selection.table is not None
+                                     and self._selection.table.adopted)
         self._closed = False
 
     @property
@@ -200,7 +224,15 @@ class SamplerPool(EpochIteration):
         """
         if self._closed:  # (_check_open's, without its frame: a frame costs ~1 us cold)
             raise ClosedError("the SamplerPool is closed")
-        timeout = self.timeout if timeout is None else timeout_seconds("timeout", timeout, positive=True)
+        if self._pending is not None:  # taken by epoch(), which ended its epoch before it
+            batch, self._pending = self._pending, None
+            return batch
+        if timeout is None:
+            timeout = self.timeout
+        elif not (type(timeout) in _SECONDS and 0 < timeout < math.inf):
+            # (the common case is checked inline: the full check, a call that tests an ABC,
+            # cost 8-12 us when the learner comes back cold from a train step)
+            timeout = timeout_seconds("timeout", timeout, positive=True)
         delivery = self._delivery
         assert delivery is not None  # set by the constructor, and the pool is open
         try:
@@ -264,6 +296,11 @@ class SamplerPool(EpochIteration):
             "learner_wait_s": self._wait_s,
             "learner_wait_frac": self._wait_s / elapsed,
             "priority_updates_dropped": table.updates_dropped if table is not None else 0,
+            # what this pool removed at its start that dead learners of the buffer had left,
+            # and whether it took over a dead learner's priorities
+            "reclaimed_segments": len(self._reclaimed),
+            "reclaimed_bytes": self._reclaimed.nbytes,
+            "adopted_priorities": table is not None and table.adopted,
             "elapsed_s": elapsed,
             **delivery.stats(self._batches),  # staging occupancy, restarts, workers
         }

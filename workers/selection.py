@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from shmbuf import ReplayBuffer
-from shmbuf.errors import EmptyBufferError
-from shmbuf.priority import PriorityTable
+from shmbuf.errors import EmptyBufferError, SamplingError
+from shmbuf.priority import PriorityTable, table_doc
 from shmbuf.sampling import Draw, sumtree
 from shmbuf.window_priority import WindowPriorityTable
 
@@ -75,8 +75,11 @@ class Selection:
     def released(self, lanes: Any, indices: Any) -> None:
         """The learner released a batch of these rows; only where ``consumes``."""
 
-    def stale(self, rows: Rows) -> None:
-        """Rows overwritten before a worker gathered them."""
+    def stale(self, rows: Rows) -> bool:
+        """Rows overwritten before a worker gathered them. True: the next ``select`` replaces
+        that batch (its slot keeps its place in delivery order); False: the slot gets a new
+        batch and goes to the back."""
+        return False
 
     def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
         """New priorities for delivered rows (``SamplerPool.update_priorities``); only where
@@ -189,7 +192,9 @@ class CountedSelection(Selection):
                     lanes, indices = np.concatenate(taken_lanes), np.concatenate(taken_indices)
                     np.add.at(self.counts, lanes * capacity + indices % capacity, 1)
                     return lanes, indices, np.concatenate(taken_probs), pmin
-        except EmptyBufferError:
+        except (EmptyBufferError, SamplingError):
+            # (SamplingError: writers lapped the rows entered at this select's sync, e.g. while
+            # the learner was descheduled; the next select syncs again)
             pass
         for lane, leaf, values in reversed(parked):  # nothing was spent: undo the parking
             sumtree.update(table.sums, table.mins, lane, leaf, values)
@@ -208,7 +213,7 @@ class CountedSelection(Selection):
             self.table.retire(lane[done], index[done])
         return applied
 
-    def stale(self, rows: Rows) -> None:
+    def stale(self, rows: Rows) -> bool:
         """Rows overwritten before a worker gathered them: their draws are not spent."""
         lanes, indices = rows[0], rows[1]
         slots = lanes * self.buf.capacity + indices % self.buf.capacity
@@ -216,6 +221,7 @@ class CountedSelection(Selection):
         # stale draws were not of it, so they give it nothing back.
         same = self.table.gen[slots] == indices
         np.subtract.at(self.counts, slots[same], 1)
+        return False
 
 
 class QueueSelection(Selection):
@@ -264,8 +270,9 @@ class QueueSelection(Selection):
         if not self.buf.closed:
             self.limiter.consume(lanes, indices)
 
-    def stale(self, rows: Rows) -> None:
+    def stale(self, rows: Rows) -> bool:
         """Only possible for rows written over just as queue mode began: they are lost."""
+        return False
 
     def close(self) -> None:
         if not self.buf.closed:
@@ -284,8 +291,15 @@ class EpochSelection(Selection):
     ``drop_last=False``; the slot is filled up with repeats that the ``Batch`` leaves out);
     "drop", skipped (another random few each epoch); "carry", the first rows of the next batch,
     filled up from the next epoch, so every batch is whole and none is left out (epochs then
-    meet inside a batch). Anchors of a batch found overwritten before it was gathered are
-    checked again and those still usable handed out again; the others are lost to the epoch.
+    meet inside a batch).
+
+    A batch found overwritten before it was gathered (``stale``) is replaced in its place in
+    delivery order by a batch of the same epoch with the same ``ends_epoch``: its anchors still
+    usable, topped up from the anchors not yet handed out (those of the epoch being handed out
+    now; any in "carry" mode). Where that cannot make a batch ("drop" and "carry" need whole
+    ones; "short" one row), its anchors are lost to their epoch and the slot takes a new batch
+    at the back: an epoch's last batch may then be missing, and ``epoch()`` ends the epoch at
+    the first batch of a later one instead. So batches never go back to an earlier epoch.
     """
 
     learner_selects = True
@@ -298,6 +312,7 @@ class EpochSelection(Selection):
         self.anchors = np.zeros(0, np.int64)
         self.cursor = 0  # anchors of this epoch handed out so far
         self.epoch = -1  # the epoch begun last (from 0)
+        self.redo: Rows | None = None  # a stale batch's replacement, for the next select
 
     def _begin_epoch(self, found: Draw, rng: np.random.Generator) -> int:
         """Permute ``found`` (the anchors held now) into a new epoch; returns its size."""
@@ -311,6 +326,9 @@ class EpochSelection(Selection):
         return Draw(self.lanes[at:self.cursor], self.anchors[at:self.cursor])
 
     def select(self, batch_size: int, rng: np.random.Generator) -> Rows | None:
+        if self.redo is not None:  # the slot of a stale batch: its replacement first
+            rows, self.redo = self.redo, None
+            return rows
         left, mode = self.lanes.size - self.cursor, self.remainder
         if left >= batch_size:
             after = left - batch_size
@@ -347,20 +365,31 @@ class EpochSelection(Selection):
         info = np.array([n if n < batch_size else 0, epoch + 1, int(ends)], np.int64)
         return lanes, indices, None, 0.0, info
 
-    def stale(self, rows: Rows) -> None:
-        """Anchors of an ungathered batch were overwritten: if the batch is of the epoch being
-        handed out, those still usable go back to its front (so its last batch still ends it);
-        the others, and those of a batch of an earlier epoch, are lost to their epoch."""
+    def stale(self, rows: Rows) -> bool:
+        """Anchors of an ungathered batch were overwritten: its replacement for the next
+        ``select`` (the class docstring says which), if one can be made."""
         assert len(rows) == 5  # this selection's rows carry their INFO words
-        n, epoch = int(rows[4][0]) or rows[0].size, int(rows[4][1]) - 1
-        if epoch != self.epoch:
-            return
+        batch_size = rows[0].size
+        n, epoch, ends = int(rows[4][0]) or batch_size, int(rows[4][1]) - 1, bool(rows[4][2])
         anchors = rows[1][:n, 0] if self.steps else rows[1][:n]
         still = self.buf.anchors(self.compiled, among=Draw(rows[0][:n], anchors))
-        rest = slice(self.cursor, None)
-        self.lanes = np.concatenate([still.lanes, self.lanes[rest]])
-        self.anchors = np.concatenate([still.indices, self.anchors[rest]])
-        self.cursor = 0
+        parts = [still]
+        mode, have = self.remainder, still.lanes.size
+        whole = 1 if mode == "short" else batch_size  # rows a batch needs
+        if epoch == self.epoch:  # top up from what is not handed out yet, still usable
+            left = self.lanes.size - self.cursor
+            while have < batch_size and self.cursor < self.lanes.size:
+                more = self.buf.anchors(self.compiled, among=self._take(
+                    min(batch_size - have, self.lanes.size - self.cursor)))
+                parts.append(more)
+                have += more.lanes.size
+            # took the last of the epoch before the batch that would have ended it was made
+            last = batch_size if mode == "drop" else 1
+            ends = ends or left >= last > self.lanes.size - self.cursor
+        if have < whole:
+            return False  # lost to its epoch: the slot takes a new batch, at the back
+        self.redo = self._rows(batch_size, parts, epoch, ends)
+        return True
 
 
 SELECTIONS: dict[str, type[Selection]] = {
@@ -397,6 +426,23 @@ def selection_kind(cfg: PoolConfig, compiled: Any) -> type[Selection]:
     return kind
 
 
+def _windowed(compiled: Any) -> bool:
+    """Whether a prioritized pool over ``compiled`` keeps one priority per window start
+    (sequences, frame stacks, n-step, derived next_obs), in a ``WindowPriorityTable``."""
+    return not compiled.plan.is_plain or compiled.derived_next_obs
+
+
+def table_to_adopt(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig,
+                   compiled: Any) -> dict[str, Any] | None:
+    """The layout document of a dead learner's priority table that ``open_selection`` would
+    adopt for this pool (same buffer, alpha, eps and plan), or None if it adopts none."""
+    if kind is not PrioritizedSelection:
+        return None
+    plan = WindowPriorityTable.plan_doc(compiled, cfg.priority_eta) if _windowed(compiled) \
+        else None
+    return table_doc(buf, cfg.alpha, cfg.eps, plan=plan)
+
+
 def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig,
                    compiled: Any = None) -> Selection:
     """Create the selection ``selection_kind`` chose, with its priority table if it has one.
@@ -409,12 +455,16 @@ def open_selection(kind: type[Selection], buf: ReplayBuffer, cfg: PoolConfig,
         return EpochSelection(buf, compiled or buf.compile(cfg.plan, cfg.fields),
                               cfg.epoch_remainder)
     compiled = compiled or buf.compile(cfg.plan, cfg.fields)  # the pool's own (cached)
-    if kind is PrioritizedSelection and (not compiled.plan.is_plain or compiled.derived_next_obs):
+    # A prioritized pool takes over the table of a dead learner of the same buffer, alpha and
+    # plan, if one was left (its priorities survive a learner restart); a counted pool's counts
+    # died with its learner, so it starts a table of its own.
+    if kind is PrioritizedSelection and _windowed(compiled):
         # one priority per window start (sequences, frame stacks, n-step, derived next_obs)
-        table: PriorityTable = WindowPriorityTable.create_for(buf, compiled, cfg.alpha, cfg.eps,
-                                                              cfg.priority_eta)
+        table: PriorityTable = WindowPriorityTable.create_for(
+            buf, compiled, cfg.alpha, cfg.eps, cfg.priority_eta, adopt=True)
     else:
-        table = PriorityTable.create(buf, cfg.alpha, cfg.eps)
+        table = PriorityTable.create(buf, cfg.alpha, cfg.eps, adopt=kind is PrioritizedSelection,
+                                     counted=kind is CountedSelection)
     try:
         if kind is PrioritizedSelection:
             return PrioritizedSelection(buf, table)

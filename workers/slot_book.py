@@ -103,9 +103,10 @@ class SlotRows:
             if waiting and waiting[-1] == slot:
                 break  # still nothing to select; the others would find nothing either
 
-    def stale(self, slot: int) -> None:
-        """``slot``'s rows were overwritten before its worker gathered them."""
-        self.selection.stale(self.by_slot.pop(slot))
+    def stale(self, slot: int) -> bool:
+        """``slot``'s rows were overwritten before its worker gathered them; True if the slot
+        keeps its place in delivery order (``Selection.stale``)."""
+        return self.selection.stale(self.by_slot.pop(slot))
 
     def done(self, slot: int) -> None:
         """The learner is done with ``slot``'s rows."""

@@ -176,6 +176,12 @@ class PoolStats:
     def set_restarts(self, n: int) -> None:
         self._words[self._base + L.STAT_RESTARTS] = n
 
+    def set_reclaimed(self, segments: int, nbytes: int, adopted: bool) -> None:
+        """What the pool reclaimed at its start from dead learners of its buffer."""
+        q, base = self._words, self._base
+        q[base + L.STAT_RECLAIMED], q[base + L.STAT_RECLAIMED_BYTES] = segments, nbytes
+        q[base + L.STAT_ADOPTED] = int(adopted)
+
     def batch_delivered(self, wait_ns: int) -> None:
         """One more batch reached the learner after it waited ``wait_ns``."""
         q, (batches, waited) = self._words, self.delivered_words
