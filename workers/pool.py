@@ -41,7 +41,6 @@ from .selection import (
 )
 from .supervise import forget, parent_only
 
-
 _SECONDS = (float, int)  # timeouts that need no more than a range check
 
 
@@ -224,9 +223,10 @@ class SamplerPool(EpochIteration):
         """
         if self._closed:  # (_check_open's, without its frame: a frame costs ~1 us cold)
             raise ClosedError("the SamplerPool is closed")
-        if self._pending is not None:  # taken by epoch(), which ended its epoch before it
-            batch, self._pending = self._pending, None
-            return batch
+        pending = self._pending
+        if pending is not None:  # taken by epoch(), which ended its epoch before it
+            self._pending = None
+            return pending
         if timeout is None:
             timeout = self.timeout
         elif not (type(timeout) in _SECONDS and 0 < timeout < math.inf):
