@@ -29,7 +29,7 @@ setup(ext_modules=[
     Extension("shmbuf._stream_c", ["shmbuf/_stream_c.c"], depends=["shmbuf/_stream_copy.h"],
               optional=True, extra_compile_args=["-O2"]),
     Extension("shmbuf._add_c", ["shmbuf/_add_c.c"], depends=["shmbuf/_stream_copy.h"],
-              include_dirs=numpy_include(), optional=True, extra_compile_args=["-O2"]),
+              include_dirs=numpy_include(), optional=True, extra_compile_args=["-O3"]),
     Extension("workers._take_c", ["workers/_take_c.c"], optional=True,
               extra_compile_args=["-O2"]),
 ])

@@ -11,6 +11,10 @@ The keep-up section (``--only keepup-atari``/``keepup-mujoco``, issue 13) measur
 process's ``add`` rate while the buffer is sampled, against the same actor's rate alone.
 
     python scripts/bench_storage.py [--quick] [--only NAME] [--rounds N] [--json PATH] [--check]
+                                    [--store numpy]
+
+``--store numpy`` measures the NumPy store and add (``shmbuf/store.py``), as a machine without a
+compiler runs them (``SHMBUF_STORE=numpy``, passed on to every workload's process).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 import benchlib
 from benchlib import fmt_us, loop_runner
 from shmbuf import ReplayBuffer, Spec
+from shmbuf import store as shmbuf_store
 from workers import ActorContext, ActorGroup, SamplerPool
 
 EXTEND_ROWS = 1000  # rows per extend() call (the same batch every call)
@@ -658,12 +663,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=names, action="append",
                    help="run only this workload (repeatable); keepup-NAME: the keep-up section "
                         "for workload NAME")
+    p.add_argument("--store", choices=["compiled", "numpy"], default="compiled",
+                   help="numpy: writers use the NumPy store and add (SHMBUF_STORE=numpy), as "
+                        "where shmbuf/_add_c.c was not built (default: compiled, where built)")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads in this process, not one fresh process each "
                         "(for profilers; sample() results then depend on the heap history)")
     benchlib.add_child_options(p)
     args = p.parse_args(argv)
     rounds, seconds = run_options(args)
+    if args.store == "numpy":
+        os.environ["SHMBUF_STORE"] = "numpy"  # for the workloads' processes, and this one's:
+        shmbuf_store.CompiledStore = shmbuf_store.CompiledAdd = None  # (imported already)
 
     if args._workload:  # the child side of run_isolated
         return benchlib.child_result(
@@ -690,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = evaluate(results)
 
     caps = ", ".join(f"{name} capacity {cap:,}" for name, _, cap in plan)
-    print(f"shmbuf storage benchmark{' (--quick)' if args.quick else ''}: {caps}; "
+    print(f"shmbuf storage benchmark{' (--quick)' if args.quick else ''}"
+          f"{' (--store numpy)' if args.store == 'numpy' else ''}: {caps}; "
           f"{EXTEND_ROWS}-row extend; {rounds} rounds x {seconds}s per case; medians")
     print(benchlib.machine_line(info))
     storage = {k: v for k, v in results.items() if not k.startswith(KEEPUP)}
@@ -705,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
                         .splitlines()[3:]))
     print(benchlib.runtime_line(runtime, others))
     return benchlib.finish(args, {
-        "argv": sys.argv, "quick": args.quick, "rounds": rounds, "seconds": seconds,
+        "argv": sys.argv, "quick": args.quick, "store": args.store, "rounds": rounds,
+        "seconds": seconds,
         "machine": info, "runtime_s": runtime, "other_cpu_fraction": others,
         "workloads": results, "targets": targets})
 

@@ -1,11 +1,27 @@
-# Writer.add's check and seqlock stores for one row, compiled (_add_c.c): see that file.
-from collections.abc import Sequence
+# A lane's store and a writer's add, compiled (_add_c.c): see that file and store.py.
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 MAX_FIELDS: int
 
-class RowPut:
-    def __init__(self, words: Any, at: tuple[int, ...], fields: Sequence[tuple[Any, ...]],
-                 one_env: bool = False) -> None: ...
-    def put(self, index: int, room_until: int, lim_gen: int, episode_bits: int, step: int,
-            *values: Any) -> Any: ...
+class LaneStore:
+    compiled: bool
+    next: int
+    step: int
+    episode_bits: int
+    room_until: int
+    lim_gen: int
+    def __init__(self, words: Any, at: tuple[int, ...], names: tuple[str, ...],
+                 columns: Sequence[tuple[Any, ...]], pending: tuple[Any, ...] | None = None,
+                 /) -> None: ...
+    def append(self, values: Sequence[Any], /) -> int | None: ...
+    def put(self, index: int, meta: int, values: Sequence[Any], /) -> None: ...
+    def put_many(self, first: int, meta: int, arrays: Sequence[np.ndarray], /) -> None: ...
+    def release(self) -> None: ...
+
+class AddMethod:
+    def __init__(self, fallback: Callable[..., Any], one_env: bool = False) -> None: ...
+    def __call__(self, writer: Any, /, **fields: Any) -> Any: ...
+    def __get__(self, obj: Any, owner: Any = None) -> Any: ...

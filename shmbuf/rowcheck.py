@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, NoReturn
 
 import numpy as np
@@ -24,9 +25,6 @@ def _unknown_names(given: set[str], names: tuple[str, ...]) -> str:
         close = difflib.get_close_matches(str(name), names, n=1)
         parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return ", ".join(parts)
-
-
-_MISSING = object()
 
 
 # How a value of one dtype goes into a field of another (``RowChecker``'s cached decision).
@@ -139,6 +137,9 @@ class RowChecker:
        complex64 are refused); values that round to the largest finite value are stored
        rounded (``65519.0`` into float16 stores 65504). Non-finite values (``nan``, ``+inf``,
        ``-inf``) are stored as given, ``+inf`` and ``-inf`` alike.
+
+    An array's values count, not its memory layout: non-contiguous, reversed, transposed,
+    Fortran-ordered and broadcast arrays are stored as their values, at the speed of a copy.
     """
 
     def __init__(self, spec: Spec, row_op: str = "add", batch_op: str = "extend") -> None:
@@ -155,12 +156,18 @@ class RowChecker:
             for f in self._fields
         ]
         self._n = len(self._fields)
-        # (name, shape, dtype, Python scalar types that need no check, index)
-        self._row_plan = tuple(
-            (f.name, f.shape, f.dtype, *fast_scalars(f), k) for k, f in enumerate(self._fields)
-        )
+        # check_row's fast path: the values in spec order (KeyError: one is missing), then
+        # (index, shape, dtype) of each array field and (index, Python and NumPy scalar types
+        # that need no check, int range, float range) of each scalar field.
+        names = self.names
+        self._values_of: Callable[[Mapping[str, Any]], tuple[Any, ...]] = (
+            itemgetter(*names) if len(names) > 1 else lambda values: (values[names[0]],))
+        self._array_plan = tuple((k, f.shape, f.dtype) for k, f in enumerate(self._fields)
+                                 if f.shape != ())
+        self._scalar_plan = tuple((k, *fast_scalars(f)) for k, f in enumerate(self._fields)
+                                  if f.shape == ())
         self._batch_plan = tuple(
-            (f.name, f.shape, f.dtype, len(f.shape) + 1, k) for k, f in enumerate(self._fields)
+            (k, f.shape, f.dtype, len(f.shape) + 1) for k, f in enumerate(self._fields)
         )
 
     # -- error helpers -------------------------------------------------------------------------
@@ -251,34 +258,48 @@ class RowChecker:
 
     # -- add -------------------------------------------------------------------------------------
     def check_row(self, values: Mapping[str, Any]) -> list[Any]:
-        """Validate one transition; return the values in spec order, ready to store.
-
-        Fast path per field: an ndarray of exactly the field's shape and dtype, C-contiguous; a
-        scalar of the field's own NumPy type, or a Python float/bool/int that fits the field.
-        Everything else takes ``_check_value``. (``addcompile`` inlines the same fast path.)
-        """
+        """Validate one transition; return the values in spec order, ready to store: those
+        ``fast_row`` gives where every value takes the fast path, else each value as
+        ``_check_value`` takes it (raising for the first that breaks the rule)."""
+        row = self.fast_row(values)
+        if row is not None:
+            return list(row)
         if len(values) != self._n:
             raise self._key_error(self._row_op, values)
-        out: list[Any] = []
-        append = out.append
-        for name, shape, dtype, fast_scalar, int_lo, int_hi, f_lo, f_hi, k in self._row_plan:
-            v = values.get(name, _MISSING)
-            tv = type(v)
-            if tv is np.ndarray:
-                if v.shape == shape and v.dtype is dtype and v.flags.c_contiguous:
-                    append(v)
-                    continue
-            elif (tv in fast_scalar or (tv is int and int_lo <= v <= int_hi)
-                  or (tv is float and f_lo <= v <= f_hi)):
-                append(v)
-                continue
-            append(self._check_value(k, v, values))
-        return out
+        try:
+            given = self._values_of(values)
+        except KeyError:
+            raise self._key_error(self._row_op, values) from None
+        return [self._check_value(k, v) for k, v in enumerate(given)]
 
-    def _check_value(self, k: int, v: Any, values: Mapping[str, Any]) -> Any:
+    def fast_row(self, values: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """The values of one transition in spec order if each stores as it is (an array of
+        exactly the field's shape and dtype, any strides; a scalar of the field's own NumPy
+        type, or a Python float/bool/int that fits the field), else None. (The compiled add,
+        ``_add_c.c``, stores these without calling it.)"""
+        if len(values) != self._n:
+            return None
+        try:
+            row = self._values_of(values)
+        except KeyError:
+            return None
+        try:  # (any object with this shape and dtype stores as NumPy assigns it)
+            for k, shape, dtype in self._array_plan:
+                v = row[k]
+                if v.shape != shape or v.dtype is not dtype:
+                    return None
+        except AttributeError:  # not an array
+            return None
+        for k, fast_scalar, int_lo, int_hi, f_lo, f_hi in self._scalar_plan:
+            v = row[k]
+            tv = type(v)
+            if not (tv in fast_scalar or (tv is int and int_lo <= v <= int_hi)
+                    or (tv is float and f_lo <= v <= f_hi)):
+                return None
+        return row
+
+    def _check_value(self, k: int, v: Any) -> Any:
         field = self._fields[k]
-        if v is _MISSING:
-            raise self._key_error(self._row_op, values)
         if type(v) is np.ndarray:
             if v.shape != field.shape:
                 raise SpecMismatchError(
@@ -288,12 +309,7 @@ class RowChecker:
                 )
             if v.dtype is not field.dtype:
                 self._check_cast(self._row_op, k, v)
-            if not v.flags.c_contiguous:
-                raise SpecMismatchError(
-                    f"{self._row_op}(): field {field.name!r} is a non-contiguous array (strides "
-                    f"{v.strides}). Fix: np.ascontiguousarray(value)"
-                )
-            return v
+            return v  # any strides: stores copy it as its bytes lie
         return self._check_scalar(k, field, v)
 
     def _check_scalar(self, k: int, field: Field, v: Any) -> Any:
@@ -355,36 +371,34 @@ class RowChecker:
         return rule
 
     # -- extend ----------------------------------------------------------------------------------
-    def check_batch(self, data: Mapping[str, Any]) -> tuple[int, list[np.ndarray]]:
+    def check_batch(self, data: Mapping[str, Any]) -> tuple[int, Sequence[np.ndarray]]:
         """Validate a batch of transitions; return (rows, arrays in spec order)."""
-        if not isinstance(data, Mapping):
+        if type(data) is not dict and not isinstance(data, Mapping):
             raise SpecMismatchError(
                 f"{self._batch_op}(): expects a mapping of field name -> array, got {type(data).__name__}"
             )
         if len(data) != self._n:
             raise self._key_error(self._batch_op, data)
-        arrays: list[np.ndarray] = []
-        append = arrays.append
+        try:
+            given = self._values_of(data)
+        except KeyError:
+            raise self._key_error(self._batch_op, data) from None
+        arrays: list[Any] | None = None  # made where a value is not an array yet
         n = -1
-        for name, shape, dtype, ndim, k in self._batch_plan:
-            v = data.get(name, _MISSING)
-            if type(v) is not np.ndarray:
-                if v is _MISSING:
-                    raise self._key_error(self._batch_op, data)
+        ndarray = np.ndarray
+        for k, shape, dtype, ndim in self._batch_plan:
+            v = given[k]
+            if type(v) is not ndarray:
                 v = self._as_array(self._batch_op, self._fields[k], v)
+                arrays = list(given) if arrays is None else arrays
+                arrays[k] = v
             s = v.shape
             if len(s) != ndim or s[1:] != shape or (n >= 0 and s[0] != n):
                 self._batch_shape_error(k, v, n)
             n = s[0]
             if v.dtype is not dtype:
                 self._check_cast(self._batch_op, k, v)
-            if not v.flags.c_contiguous:
-                raise SpecMismatchError(
-                    f"{self._batch_op}(): field {name!r} is a non-contiguous array (strides "
-                    f"{v.strides}). Fix: np.ascontiguousarray(value)"
-                )
-            append(v)
-        return n, arrays
+        return n, given if arrays is None else arrays  # any strides: stores copy them as they lie
 
     def _batch_shape_error(self, k: int, arr: np.ndarray, n: int) -> NoReturn:
         field = self._fields[k]

@@ -13,9 +13,9 @@ Concurrency: only the holder of a lane's writer lease (its ``Writer``/``VectorWr
 ``clear``/restores holding every lease) calls the writing functions for that lane, except
 ``set_floor``, called by the holder of ``LOCK_CLEAR``; the reading
 functions are for anyone and never wait. The one copy of a write path outside this module is
-its compiled twin in C, ``_add_c.c`` (``Writer.add``'s check and ``claim`` + ``write_row`` in
-one call, where it was built), held to ``write_row`` byte for byte by tests/test_slots.py and
-tests/test_add_compiled.py.
+its compiled twin in C, ``_add_c.c`` (the compiled lane store of ``store.py``: ``write_row``
+and the ring steps of ``put_many``, where it was built), held to this module's stores byte for
+byte by tests/test_add_compiled.py.
 """
 
 from __future__ import annotations
@@ -169,23 +169,30 @@ def publish(words: Words, committed_at: Any, committed: Any) -> None:
     words[committed_at] = committed
 
 
-def write_row(words: Words, stamp_at: int, meta_at: int, committed_at: int, index: int,
-              columns: Sequence[np.ndarray], slot: int, values: Sequence[Any], meta: int) -> None:
-    """The whole protocol for one row of one lane, the claim excepted (see ``claim``): odd
-    stamp, every column's value, the ``_meta`` word, even stamp, ``committed = index + 1``.
+def write_row(words: Words, at: tuple[int, int, int, int, int], index: int,
+              columns: Sequence[np.ndarray], values: Sequence[Any], meta: int) -> None:
+    """The whole protocol for one row of one lane: the claim (``reserved = index + 1`` unless
+    it is already past), odd stamp, every column's value, the ``_meta`` word, even stamp,
+    ``committed = index + 1``.
 
-    ``words`` is the segment as ``memoryview("q")``; ``*_at`` are word offsets in it;
-    ``columns`` are the lane's column views and ``slot`` the row's slot in the lane. Also
-    publishes an episode's FINAL row (``meta`` with ``FLAG_FINAL``). ``_add_c.c`` is its
-    compiled twin for ``Writer.add`` (tests/test_slots.py checks both leave the same words).
+    ``words`` is the segment as ``memoryview("q")``; ``at`` the lane's word offsets in it
+    (first stamp, first ``_meta`` word, ``committed``, ``reserved``) and its capacity;
+    ``columns`` are the lane's column views (a value of any strides stores as NumPy assigns
+    it). Also publishes an episode's FINAL row (``meta`` with ``FLAG_FINAL``). The NumPy
+    store's ``put`` (``store.NumpyLaneStore``); ``_add_c.c``'s ``store_row`` is the compiled
+    store's, held to it byte for byte by tests/test_add_compiled.py.
     """
-    words[stamp_at] = 2 * index + 1
+    stamp0, meta0, committed_at, reserved_at, capacity = at
+    slot = index % capacity
+    if index >= words[reserved_at]:
+        words[reserved_at] = index + 1  # the claim
+    words[stamp0 + slot] = 2 * index + 1
     store_fence()
     for column, value in zip(columns, values):
         column[slot] = value
-    words[meta_at] = meta
+    words[meta0 + slot] = meta
     store_fence()
-    words[stamp_at] = 2 * index + 2
+    words[stamp0 + slot] = 2 * index + 2
     words[committed_at] = index + 1
 
 

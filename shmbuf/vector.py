@@ -9,16 +9,18 @@ one NumPy store over all lanes, in the same order a single-lane ``Writer`` uses.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import layout as L
-from .addcompile import compiled_add, puts_rows
 from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
+from .spec import Spec
+from .store import LanesStore, add_method, compiled_for
 from .writer import LaneWriter, Writer
 
 if TYPE_CHECKING:
@@ -46,9 +48,8 @@ class VectorWriter(LaneWriter):
         self._writers = writers  # holding the leases; their own state is not used any more
         self.lanes = self._lane_ids
         self.num_envs = self._width
-        self._base = self.lanes * self._capacity
-        self._take_lane_state(writers)
-        self._check_batch = storage.input_checker().check_batch
+        self._room_until, self._lim_gen = 0, -1  # check the rate limiter on the first insert
+        self._take_lane_state(storage, writers)
         self._rows = 0  # rows written (all lanes): what room is measured in
         self._episode_checker = (
             RowChecker(storage.episode_spec, batch_op="end_episode")
@@ -56,8 +57,10 @@ class VectorWriter(LaneWriter):
             else None
         )
 
-    def _take_lane_state(self, writers: list[Writer]) -> None:
-        """Each lane's next index, episode and step, from the writer that took it over."""
+    def _take_lane_state(self, storage: BufferStorage, writers: list[Writer]) -> None:
+        """Each lane's next index, episode and step, from the writer that took it over, and
+        the store of a row in each lane."""
+        self._store = LanesStore(storage, self.lanes)
         self._next = np.array([w._next for w in writers], np.int64)
         self.episode = np.array([w.episode for w in writers], np.int64)
         self._step = np.array([w._step for w in writers], np.int64)
@@ -91,8 +94,8 @@ class VectorWriter(LaneWriter):
                 writers.append(Writer.open(storage, k, timeout, insert_timeout))
             if lanes is None:
                 writers.sort(key=lambda w: w.lane)
-            return (one_env_class(storage) if len(writers) == 1 and cls is VectorWriter
-                    else cls)(storage, writers)
+            return (one_env_class(storage.input_checker())
+                    if len(writers) == 1 and cls is VectorWriter else cls)(storage, writers)
         except BaseException:  # every lane taken so far is released before this propagates
             for w in writers:
                 w.close()
@@ -106,7 +109,7 @@ class VectorWriter(LaneWriter):
         return self._rows
 
     # -- writing ---------------------------------------------------------------------------------
-    def add(self, **fields: Any) -> np.ndarray:
+    def add(self, /, **fields: Any) -> np.ndarray:
         """Append one transition per env (every field ``[num_envs, ...]``); returns the logical
         index each got in its lane. Validated whole before anything is written."""
         if self._closed_reason is not None:
@@ -120,7 +123,7 @@ class VectorWriter(LaneWriter):
         self._ensure_room(self._rows, n)
         index = self._next
         meta = (self.episode << L.STEP_BITS) | (self._step & L.STEP_MASK)
-        self._put_rows(self._base + index % self._capacity, index, self.lanes, arrays, meta)
+        self._store.put(index, meta, arrays)
         self._next = index + 1
         self._step += 1
         self._rows += n
@@ -155,7 +158,7 @@ class VectorWriter(LaneWriter):
         self._step[envs] = 0
         return ended
 
-    def _episode_values(self, data: Mapping[str, Any]) -> list[np.ndarray] | None:
+    def _episode_values(self, data: Mapping[str, Any]) -> Sequence[np.ndarray] | None:
         if not data:
             return None
         checker, spec = self._episode_checker, self._storage.episode_spec
@@ -191,20 +194,24 @@ class VectorWriter(LaneWriter):
         return f"<VectorWriter lanes={self.lanes.tolist()}{' closed' if self.closed else ''}>"
 
 
+_first_row = itemgetter(0)
+_ONE_INDEX = np.zeros(1, np.int64)
+_ONE_INDEX.flags.writeable = False
+
+
 class OneEnvVectorWriter(VectorWriter):
-    """A ``VectorWriter`` of one env: its lane's ``Writer`` keeps the lane's state, and ``add``
-    is compiled (``addcompile``) to store straight into that lane, as fast as ``Writer.add``.
+    """A ``VectorWriter`` of one env: its lane's ``Writer`` keeps the lane's state and store, and
+    ``add`` (made per spec by ``one_env_class``) stores into that lane as ``Writer.add`` does,
+    compiled where ``_add_c`` was built.
 
     Concurrency: as ``VectorWriter``; the lane's ``Writer`` holds the lease and is closed with it.
     """
 
-    def _take_lane_state(self, writers: list[Writer]) -> None:
-        self._lane = writers[0]  # keeps it: see the properties below
-        self._put = self._lane._row_put(one_env=True) if puts_rows(self._checker) else None
+    _env_rows: RowChecker  # the spec with shapes [1, *shape]: its fast path (one_env_class)
 
-    def _drop_views(self) -> None:
-        super()._drop_views()
-        self._put = None
+    def _take_lane_state(self, storage: BufferStorage, writers: list[Writer]) -> None:
+        self._lane = writers[0]  # keeps it: see the properties below
+        self._store = self._lane._store  # the compiled add finds it here
 
     @property
     def _next(self) -> np.ndarray:  # type: ignore[override]
@@ -218,11 +225,27 @@ class OneEnvVectorWriter(VectorWriter):
     def _step(self) -> np.ndarray:  # type: ignore[override]
         return np.array([self._lane._step], np.int64)
 
-    def _make_lane_room(self, at: int) -> None:
-        """Room for one more row at index ``at`` of the lane, waiting as this writer would."""
-        lane = self._lane
-        lane.timeout, lane.stop_when = self.timeout, self.stop_when
-        lane._make_room(1, at)
+    def add(self, /, **fields: Any) -> np.ndarray:
+        """Append one transition per env (every field ``[num_envs, ...]``); returns the logical
+        index each got in its lane. Validated whole before anything is written."""
+        if self._closed_reason is not None:
+            self._raise_closed()
+        arrays: Sequence[Any] | None = self._env_rows.fast_row(fields)
+        if arrays is None:
+            n, arrays = self._check_batch(fields)
+            if n != 1:
+                raise SpecMismatchError(
+                    f"add(): fields have {n} rows but this writer has num_envs=1: pass one row "
+                    f"per environment"
+                )
+        lane, rows = self._lane, list(map(_first_row, arrays))
+        i = lane._store.append(rows)
+        if i is None:  # wait for room as this writer would
+            lane.timeout, lane.stop_when = self.timeout, self.stop_when
+            i = lane._append(rows)
+        index = _ONE_INDEX.copy()  # (faster than np.zeros)
+        index[0] = i
+        return index
 
     def end_episode(self, env_mask: Any, truncated: Any = False, **episode_data: Any) -> np.ndarray:
         if self._closed_reason is not None:
@@ -240,17 +263,20 @@ class OneEnvVectorWriter(VectorWriter):
     end_episode.__doc__ = VectorWriter.end_episode.__doc__
 
 
-_one_env_classes: weakref.WeakKeyDictionary[RowChecker, type[VectorWriter]] = (
+_one_env_classes: weakref.WeakKeyDictionary[RowChecker, dict[bool, type[VectorWriter]]] = (
     weakref.WeakKeyDictionary())
 
 
-def one_env_class(storage: BufferStorage) -> type[VectorWriter]:
-    """The class of a one-env vector writer of ``storage``: ``OneEnvVectorWriter`` with ``add``
-    compiled for its spec, or ``VectorWriter`` where the spec's names cannot be compiled."""
-    checker = storage.input_checker()
-    if checker not in _one_env_classes:
-        add = compiled_add(Writer.add, checker, storage.derived_next_obs, one_env=True)
-        _one_env_classes[checker] = VectorWriter if add is None else type(
-            "VectorWriter", (OneEnvVectorWriter,),
-            {"add": add, "__module__": __name__, "__qualname__": "VectorWriter"})
-    return _one_env_classes[checker]
+def one_env_class(checker: RowChecker) -> type[VectorWriter]:
+    """The class of a one-env vector writer of ``checker``'s spec: ``OneEnvVectorWriter`` with
+    its ``add`` from ``store.add_method`` (the fields in its signature, compiled where that is
+    built)."""
+    classes = _one_env_classes.setdefault(checker, {})
+    compiled = compiled_for(checker)
+    if compiled not in classes:
+        add = add_method(OneEnvVectorWriter.add, checker, one_env=True)
+        env_rows = RowChecker(Spec({f.name: ((1, *f.shape), f.dtype) for f in checker.fields}))
+        classes[compiled] = type("VectorWriter", (OneEnvVectorWriter,), {
+            "add": add, "_env_rows": env_rows, "__module__": __name__,
+            "__qualname__": "VectorWriter", "__doc__": VectorWriter.__doc__})
+    return classes[compiled]

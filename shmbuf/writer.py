@@ -1,8 +1,8 @@
 """Lane writers: ``LaneWriter``, the core every lane writer shares, and ``Writer`` (one lane).
 
 ``VectorWriter`` (``vector.py``, one lane per env) is the other writer on the same core. Every
-store to a lane's seqlock words goes through ``slots``, or its compiled twin for ``Writer.add``
-(``_add_c.c``, through ``addcompile.row_put``).
+row a writer publishes goes through a store (``store.py``): its lane's ``LaneStore``, compiled
+where ``_add_c`` was built, or a ``LanesStore`` over several lanes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import numpy as np
 
 from . import layout as L
 from . import slots
-from .addcompile import compiled_add, puts_rows, row_put, stream_rows, streams
-from .checks import ring_segments, timeout_seconds
-from .errors import ClosedError, SpecMismatchError
+from .checks import timeout_seconds
+from .errors import ClosedError
 from .lease import Lease
-from .rowcheck import _MISSING, RowChecker
+from .rowcheck import RowChecker
+from .store import add_method, compiled_for, lane_store
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
@@ -33,23 +33,26 @@ class LaneWriter:
     """The core of a lane writer, over one lane (``Writer``) or several (``VectorWriter``).
 
     It keeps what both need, once: room under the rate limiter (``_make_room``,
-    ``_ensure_room``); the stamp protocol for one row in each of several lanes (``_put_rows``:
-    a vector add, the FINAL rows of ``next_obs="derived"`` buffers); the end of episodes
-    (``_finish_episodes``: FINAL rows, records, the lane words that open the next episode);
-    and the life cycle (``close``, a forked child's copy closed, the context manager).
-    Subclasses keep their lanes' positions (next index, step, episode id), scalars in
-    ``Writer``, arrays in ``VectorWriter``, and measure room in rows of their own count
-    (``_room_position``).
+    ``_ensure_room``); the end of episodes (``_finish_episodes``: FINAL rows, records, the lane
+    words that open the next episode); and the life cycle (``close``, a forked child's copy
+    closed, the context manager). Subclasses keep their lanes' positions (next index, step,
+    episode id, the room granted: ``_room_until``, ``_lim_gen``), in the lane's store for
+    ``Writer``, arrays in ``VectorWriter``, publish rows through their ``_store`` and measure
+    room in rows of their own count (``_room_position``).
 
     Concurrency: a lane writer holds the writer lease of each of its lanes, so it is the only
-    process storing their lane words, slots, rows and episode records (through ``slots``);
-    readers never wait for it and it never waits for them (only, optionally, for the rate
-    limiter). It belongs to the process that opened it: a forked child's copy is closed (its
-    calls raise ``ClosedError``), because one writer per lane is what the seqlock relies on.
+    process storing their lane words, slots, rows and episode records (through its store,
+    ``slots`` and the episode table); readers never wait for it and it never waits for them
+    (only, optionally, for the rate limiter). It belongs to the process that opened it: a forked
+    child's copy is closed (its calls raise ``ClosedError``), because one writer per lane is
+    what the seqlock relies on.
     """
 
     _live: weakref.WeakSet[LaneWriter] = weakref.WeakSet()
     _kind = "writer"  # for messages: "<kind> of <who> is closed"
+    _room_until: int  # rows below this room position were granted by the rate limiter ...
+    _lim_gen: int  # ... under this limiter generation
+    _store: Any  # a LaneStore (one lane) or a LanesStore (store.py)
 
     def __init__(self, storage: BufferStorage, lanes: Sequence[int], timeout: float,
                  who: str) -> None:
@@ -68,27 +71,19 @@ class LaneWriter:
         # A pool that starts (or changes) a rate limit bumps its generation: room granted
         # before that is void, so a writer that was already running obeys the limit at once.
         self._w_lim_gen = self._limiter.generation_index
-        self._lim_gen = -1
-        self._room_until = 0  # check the rate limiter on the first insert
-        # Views over every lane (a subclass may keep narrower ones for its hot path).
-        self._columns = [storage.columns[name] for name in storage.spec]
-        self._slot_stamps, self._slot_meta = storage.stamps, storage.meta
-        self._committed_v, self._reserved_v = storage.committed, storage.reserved
         words = storage.lane_words
         self._episode_v = words[:, L.LANE_EPISODE, 0]
         self._episode_start_v = words[:, L.LANE_EPISODE_START, 0]
         self._heartbeat_v = words[:, L.LANE_HEARTBEAT, 0]
         checker = self._checker = storage.input_checker()
-        self._field_names = checker.names
-        # extend's store per field: streamed for large rows (None: NumPy's)
-        self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
-        self._check_row, self._check_batch = checker.check_row, checker.check_batch
-        self._put: Callable[..., Any] | None = None  # the compiled add's store (row_put)
+        self._fast_row, self._check_row = checker.fast_row, checker.check_row
+        self._check_batch = checker.check_batch
         self._derived = storage.derived_next_obs
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
             self._pending = np.zeros((self._width, *obs.shape), obs.dtype)
             self._obs_col = list(storage.spec).index("obs")
+            self._final_row = [np.zeros(f.shape, f.dtype) for f in storage.spec.values()]
         LaneWriter._live.add(self)
 
     # -- state -------------------------------------------------------------------------------------
@@ -126,45 +121,6 @@ class LaneWriter:
             n // self._width or 1, wait, self._check_open, self._who, self._lane_ids)
         self._room_until = at + room * self._width
 
-    # -- add's slow path -------------------------------------------------------------------------
-    def _add_checked(self, extra: dict[str, Any], given: tuple[Any, ...],
-                     one_env: bool = False) -> list[Any]:
-        """The compiled ``add``'s slow path: the closed check, then the full checker on what
-        was given (``_MISSING`` for a field not given); returns the values to store."""
-        if self._closed_reason is not None:
-            self._raise_closed()
-        fields = {name: v for name, v in zip(self._field_names, given) if v is not _MISSING}
-        fields.update(extra)
-        if not one_env:
-            values = self._check_row(fields)
-            if self._put is not None:  # the compiled store takes only each field's own dtype
-                values = [np.asarray(v, f.dtype, order="C")  # (0-d stays 0-d)
-                          for v, f in zip(values, self._checker.fields)]
-            return values
-        n, arrays = self._check_batch(fields)
-        if n != 1:
-            raise SpecMismatchError(
-                f"add(): fields have {n} rows but this writer has num_envs=1: pass one row per "
-                f"environment"
-            )
-        return [a[0] for a in arrays]
-
-    # -- one row in each of several lanes ---------------------------------------------------------
-    def _put_rows(self, slot_ids: Lanes, index: Lanes, lanes: Lanes, rows: Sequence[Any],
-                  meta: Lanes) -> None:
-        """The stamp protocol for one row per lane (``slot_ids`` over the whole buffer), each
-        step one store over all the lanes, in the order a single row takes: claim, odd stamp,
-        columns, meta, even stamp, ``committed``."""
-        claimed = self._reserved_v[lanes]  # (a dead writer's claim may reach past index + 1)
-        slots.claim(self._reserved_v, lanes, np.maximum(claimed, index + 1)
-                    if isinstance(lanes, np.ndarray) else max(int(claimed), index + 1))
-        slots.mark_writing(self._slot_stamps, slot_ids, index)
-        for col, values in zip(self._columns, rows):
-            col[slot_ids] = values
-        self._slot_meta[slot_ids] = meta
-        slots.mark_held(self._slot_stamps, slot_ids, index)
-        slots.publish(self._committed_v, lanes, index + 1)
-
     # -- episodes ------------------------------------------------------------------------------------
     def _finish_episodes(self, lanes: Lanes, episodes: Lanes, lengths: Lanes, next_index: Lanes,
                          truncated: Lanes, records: Sequence[Any] | None, pending: Any) -> Lanes:
@@ -177,10 +133,13 @@ class LaneWriter:
         starts = next_index - lengths
         if self._derived:
             self._ensure_room(self._room_position(), lanes.size if many else 1)
-            rows = [pending if k == self._obs_col else 0 for k in range(len(self._columns))]
+            rows = list(self._final_row)  # zeros, but for obs: the last next_obs
+            rows[self._obs_col] = pending
             meta = (episodes << L.STEP_BITS) | L.FLAG_FINAL | (lengths & L.STEP_MASK)
-            self._put_rows(lanes * self._capacity + next_index % self._capacity, next_index,
-                           lanes, rows, meta)
+            if many:
+                self._store.put(next_index, meta, rows, lanes)
+            else:
+                self._store.put(next_index, meta, rows)
             next_index = next_index + 1
         table = self._storage.episodes
         if table is not None and not many:
@@ -211,10 +170,10 @@ class LaneWriter:
         raise NotImplementedError
 
     def _drop_views(self) -> None:
-        """Drop every view of the segment, so the buffer can unmap it."""
-        self._columns = []
-        self._slot_stamps = self._slot_meta = None  # type: ignore[assignment]
-        self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+        """Drop every view of the segment, so the buffer can unmap it (the store keeps the
+        cursor)."""
+        if getattr(self, "_store", None) is not None:
+            self._store.release()
         self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
         self._words = None  # type: ignore[assignment]
 
@@ -241,14 +200,18 @@ os.register_at_fork(after_in_child=LaneWriter._after_fork_in_child)
 class Writer(LaneWriter):
     """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
 
-    Concurrency (as ``LaneWriter``): for index i in slot s it stores, through ``slots``,
-    ``reserved``, ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2`` and then
+    Concurrency (as ``LaneWriter``): for index i in slot s its lane's store (``store.py``)
+    stores ``reserved``, ``stamp[s] = 2i+1``, the row, ``stamp[s] = 2i+2`` and then
     ``committed = i+1``.
 
     With ``next_obs="derived"`` buffers, ``add`` still takes ``next_obs`` but stores only ``obs``;
     the next observation is the next row's ``obs``, and ``end_episode`` stores the episode's true
     final observation as one extra row (flagged FINAL, never sampled as a transition). Call
     ``end_episode`` at every episode end there, or the last step is never sampled.
+
+    A writer's class is made per spec (``writer_class``): its ``add`` names the spec's fields
+    (``help(w.add)``), and where ``_add_c`` was built it stores the usual rows in one compiled
+    call (``store.add_method``), calling the ``add`` below for the rest.
 
     Example:
         >>> with buf.writer() as w:
@@ -264,25 +227,14 @@ class Writer(LaneWriter):
         self.lane = lane
         self._lease = lease
         lay, q = storage.layout, self._words
-        C = self._C = lay.capacity
+        C = lay.capacity
         w = lambda word: lay.lane_word(lane, word) // 8  # noqa: E731
         self._w_committed, self._w_reserved = w(L.LANE_COMMITTED), w(L.LANE_RESERVED)
-        self._stamp0 = lay.stamp(lane * C) // 8
-        self._meta0 = (lay.meta.offset // 8) + lane * C
-        base = lane * C
-        self._cols = [column[base : base + C] for column in self._columns]  # this lane's
-        self._stamps = storage.stamps[base : base + C]
-        self._meta = storage.meta[base : base + C]
-        self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
-        self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
-        if self._derived:
-            self._last_next_obs = self._pending[0]  # this lane's row of the core's _pending
-        # The compiled add's store of a whole row (None where _add_c was not built).
-        self._put = self._row_put(one_env=False) if puts_rows(self._checker) else None
+        self._last_next_obs = self._pending[0] if self._derived else None  # this lane's row
+        store = self._store = lane_store(storage, lane, self._checker, self._last_next_obs)
 
         # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
         committed = slots.take_over(q, self._w_committed, self._w_reserved, C)[0]
-        self._next = committed
         q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
         q[w(L.LANE_WRITER_PID)] = os.getpid()
         episode, start = q[w(L.LANE_EPISODE)], q[w(L.LANE_EPISODE_START)]
@@ -292,16 +244,9 @@ class Writer(LaneWriter):
             q[w(L.LANE_EPISODE_START)] = start
             q[w(L.LANE_EPISODE)] = episode
         self.episode = episode
-        self._step = committed - start
-        self._episode_bits = episode << L.STEP_BITS
-
-    def _row_put(self, one_env: bool) -> Callable[..., Any]:
-        """``addcompile.row_put`` for this lane: the compiled ``add``'s check and stores of one
-        row, with the words, columns and pending next_obs row of this lane."""
-        at = (self._w_committed, self._w_reserved, self._w_lim_gen, self._stamp0, self._meta0,
-              self._C, L.STEP_MASK)
-        return row_put(self._checker, self._words, at, self._cols,
-                       self._last_next_obs if self._derived else None, one_env)
+        store.next, store.step = committed, committed - start
+        store.episode_bits = episode << L.STEP_BITS
+        store.room_until, store.lim_gen = 0, -1  # check the rate limiter on the first insert
 
     @classmethod
     def open(cls, storage: BufferStorage, lane: int | None, timeout: float,
@@ -311,53 +256,78 @@ class Writer(LaneWriter):
         continues at its ``committed`` index and starts a new episode."""
         lane, lease = storage.lease_lane(lane, timeout)
         try:
-            return compiled_writer_class(storage, cls)(storage, lane, lease, insert_timeout)
+            return writer_class(storage.input_checker(), cls)(storage, lane, lease,
+                                                              insert_timeout)
         except BaseException:
             lease.close()  # releases the lane now, not when the traceback dies
             raise
 
-    # -- state -----------------------------------------------------------------------------------------
+    # -- state: the lane's cursor, kept in its store (the compiled add advances it) -------------
     @property
     def committed(self) -> int:
         """Rows this lane has published (the next add gets this logical index)."""
-        return self._next
+        return int(self._store.next)
 
     @property
     def step(self) -> int:
         """Steps in the current episode so far."""
-        return self._step
+        return int(self._store.step)
+
+    @property
+    def _next(self) -> int:
+        return int(self._store.next)
+
+    @_next.setter
+    def _next(self, index: int) -> None:
+        self._store.next = index
+
+    @property
+    def _step(self) -> int:
+        return int(self._store.step)
+
+    @property
+    def _room_until(self) -> int:  # type: ignore[override]
+        return int(self._store.room_until)
+
+    @_room_until.setter
+    def _room_until(self, at: int) -> None:
+        self._store.room_until = min(at, (1 << 63) - 1)
+
+    @property
+    def _lim_gen(self) -> int:  # type: ignore[override]
+        return int(self._store.lim_gen)
+
+    @_lim_gen.setter
+    def _lim_gen(self, generation: int) -> None:
+        self._store.lim_gen = generation
 
     def _room_position(self) -> int:
-        return self._next
+        return int(self._store.next)
 
-    # -- hot path ----------------------------------------------------------------------------------------
-    def add(self, **fields: Any) -> int:
+    # -- writing ---------------------------------------------------------------------------------
+    def add(self, /, **fields: Any) -> int:
         """Append one transition; returns its logical index in the lane.
 
         Every field of the spec must be given. The whole transition is validated before
         anything is written; a bad one raises ``SpecMismatchError`` and changes nothing.
         May wait up to ``self.timeout`` seconds on the rate limiter (``RateLimitTimeout``).
         """
-        # A writer's class runs this method as ``compiled_add`` made it from this source for
-        # its buffer's spec: the lines marked COMPILED(...) are replaced there.
-        lane = self  # COMPILED(lane)
-        # COMPILED(put): one call that checks and stores the row (``addcompile.row_put``)
-        values = lane._add_checked(fields, ())  # COMPILED(check)
-        i = lane._next
-        q = lane._words
-        if i >= lane._room_until or q[lane._w_lim_gen] != lane._lim_gen:  # _ensure_room, inline
-            lane._make_room(1, i)  # COMPILED(room)
-        # COMPILED(put_checked): the same call with the checked values, now of the fields' dtypes
-        s = i % lane._C
-        if i >= q[lane._w_reserved]:
-            slots.claim(q, lane._w_reserved, i + 1)
-        slots.write_row(q, lane._stamp0 + s, lane._meta0 + s, lane._w_committed, i, lane._cols,
-                        s, values, lane._episode_bits | (lane._step & L.STEP_MASK))
-        lane._next = i + 1
-        lane._step += 1
-        if lane._derived:  # COMPILED(derived)
-            lane._last_next_obs[...] = values[-1]
-        return i  # COMPILED(return)
+        if self._closed_reason is not None:
+            self._raise_closed()
+        values = self._fast_row(fields) or self._check_row(fields)
+        i = self._store.append(values)
+        return self._append(values) if i is None else i
+
+    def _append(self, values: Sequence[Any]) -> int:
+        """Store one checked row at the lane's next index, waiting for room from the rate
+        limiter while the room granted is used up (or void); return the index. (``add`` and
+        a one-env ``VectorWriter.add`` try ``store.append`` first: room is usually left.)"""
+        store = self._store
+        i = store.append(values)
+        while i is None:
+            self._make_room(1, store.next)
+            i = store.append(values)
+        return i  # type: ignore[no-any-return]
 
     def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
         """Append a batch: ``data[field]`` has shape ``[n, *shape]``, the same n for every field.
@@ -373,45 +343,15 @@ class Writer(LaneWriter):
         if self._closed_reason is not None:
             self._raise_closed()
         n, arrays = self._check_batch(data)
-        i0 = self._next
+        store = self._store
+        i0 = store.next
         if n == 0:
             return range(i0, i0)
         self._ensure_room(i0, n, timeout)
-        C = self._C
-        keep = min(n, C)
-        skip = n - keep
-        first = i0 + skip
-        end = i0 + n
-        q = self._words
-        if end > q[self._w_reserved]:
-            slots.claim(q, self._w_reserved, end)
-        if self._ramp.shape[0] < keep:
-            self._grow_ramp(keep)
-        ramp, k0 = self._ramp, self._k0
-        add = np.add
-        stamps, meta = self._stamps, self._meta
-        segments = ring_segments(first, keep, C)
-        slots.mark_ring_writing(stamps, segments, first, self._ramp2, k0)
-        for col, arr, store in zip(self._cols, arrays, self._row_stores):
-            for a, b, off in segments:
-                rows = arr[skip + off : skip + off + (b - a)] if skip or len(segments) > 1 else arr
-                if store is None or not store(col, a, rows, b - a):  # fenced: see _stream_c.c
-                    col[a:b] = rows
-        for a, b, off in segments:
-            k0[()] = self._episode_bits | ((self._step + skip + off) & L.STEP_MASK)
-            add(ramp[: b - a], k0, meta[a:b])
-        slots.mark_ring_held(stamps, segments)
-        slots.publish(q, self._w_committed, end)
-        self._next = end
-        self._step += n
-        if self._derived:
-            self._last_next_obs[...] = arrays[-1][-1]
-        return range(i0, end)
-
-    def _grow_ramp(self, n: int) -> None:
-        size = min(max(n, 2 * self._ramp.shape[0], 1024), self._C)
-        self._ramp = np.arange(size, dtype=np.int64)
-        self._ramp2 = self._ramp * 2
+        store.put_many(i0, store.episode_bits | (store.step & L.STEP_MASK), arrays)
+        store.next = i0 + n
+        store.step += n
+        return range(i0, i0 + n)
 
     # -- episodes ------------------------------------------------------------------------------------------
     def end_episode(self, truncated: bool = False, **episode_data: Any) -> int:
@@ -432,41 +372,37 @@ class Writer(LaneWriter):
         values = table.check(episode_data) if table is not None else None
         if values is None and episode_data:
             self._storage.refuse_episode_data(episode_data)
-        ended = self.episode
-        if self._step == 0:
+        ended, store = self.episode, self._store
+        if store.step == 0:
             return ended
-        self._next = self._finish_episodes(self.lane, ended, self._step, self._next, truncated,
+        store.next = self._finish_episodes(self.lane, ended, store.step, store.next, truncated,
                                            None if values is None else [values],
-                                           self._last_next_obs if self._derived else None)
+                                           self._last_next_obs)
         self.episode += 1
-        self._episode_bits = self.episode << L.STEP_BITS
-        self._step = 0
+        store.episode_bits = self.episode << L.STEP_BITS
+        store.step = 0
         return ended
 
     # -- teardown ---------------------------------------------------------------------------------------------
     def _release_lanes(self) -> None:
         self._lease.close()
 
-    def _drop_views(self) -> None:
-        super()._drop_views()
-        self._cols = []
-        self._stamps = self._meta = self._put = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"next={self._next}"
         return f"<Writer lane={self.lane} {state}>"
 
 
-_classes: weakref.WeakKeyDictionary[RowChecker, dict[type, type]] = weakref.WeakKeyDictionary()
+_classes: weakref.WeakKeyDictionary[RowChecker, dict[Any, type]] = weakref.WeakKeyDictionary()
 
 
-def compiled_writer_class(storage: BufferStorage, base: type[Writer]) -> type[Writer]:
-    """``base`` with ``add`` compiled for ``storage``'s spec (one class per buffer and base)."""
-    cache = _classes.setdefault(storage.input_checker(), {})
-    if base not in cache:
-        add = compiled_add(Writer.add, storage.input_checker(), storage.derived_next_obs,
-                           one_env=False)
-        cache[base] = base if add is None else type(
-            base.__name__, (base,), {"add": add, "__module__": base.__module__,
-                                     "__qualname__": base.__qualname__})
-    return cache[base]
+def writer_class(checker: RowChecker, base: type[Writer]) -> type[Writer]:
+    """``base`` for writers of ``checker``'s spec: its ``add`` from ``store.add_method`` (the
+    fields in its signature, compiled where that is built), unless ``base`` has its own."""
+    cache = _classes.setdefault(checker, {})
+    key = (base, compiled_for(checker))
+    if key not in cache:
+        cache[key] = base if base.add is not Writer.add else type(
+            base.__name__, (base,), {"add": add_method(Writer.add, checker),
+                                     "__module__": base.__module__,
+                                     "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+    return cache[key]

@@ -59,7 +59,7 @@ def writer_main(buf: shmbuf.ReplayBuffer, lane: int, barrier: Any, first_commit:
     barrier.wait(60)
     adds = extends = 0
     with buf.writer(lane=lane, timeout=10) as w:
-        compiled = w._put is not None  # add's stores in C (_add_c.c), where it was built
+        compiled = w._store.compiled  # the lane's store is _add_c.c's, where it was built
         while not stop.is_set():
             if rng.random() < 0.3:
                 for _ in range(int(rng.integers(1, 16))):

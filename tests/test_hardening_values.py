@@ -595,3 +595,119 @@ def test_dropped_batches_are_recycled(atari):
         addresses.add(b["obs"].__array_interface__["data"][0])
         del b
     assert len(addresses) <= 2
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 30: an array of any memory layout is a value like any other (the one rule), in add,
+# extend and vector writers, compiled store or not; its rows hold exactly its values
+# --------------------------------------------------------------------------------------------
+LAYOUT_SPEC = shmbuf.Spec(hwc=((84, 84, 3), "uint8"), chw=((3, 84, 84), "uint8"),
+                          vec=((4, 5), "float32"), ids=((6,), "int16"), r=((), "float32"))
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def store_path(request, monkeypatch):
+    """Writers with the compiled store (``_add_c``; skipped where it was not built), or with
+    the NumPy one, as where no compiler was at hand."""
+    from shmbuf import store
+
+    if request.param == "compiled" and store.CompiledStore is None:
+        pytest.skip("_add_c was not built")
+    if request.param == "numpy":
+        monkeypatch.setattr(store, "CompiledStore", None)
+        monkeypatch.setattr(store, "CompiledAdd", None)
+    return request.param
+
+
+def _laid_out(x: np.ndarray, layout: str, lead: int) -> np.ndarray:
+    """An array equal to ``x`` (its first ``lead`` axes: rows, envs) in memory laid out as
+    ``layout`` says: a view whose strides are not C-contiguous (contiguous: the control)."""
+    row_axes = tuple(range(lead, x.ndim))
+    if layout == "contiguous":
+        return x.copy()
+    if layout == "reversed last axis":  # np.ones((84, 84, 3))[..., ::-1]
+        return x[..., ::-1].copy()[..., ::-1]
+    if layout == "negative strides" or layout == "transposed" and len(row_axes) < 2:
+        # every axis reversed (a row of one axis has nothing to transpose)
+        flip = (slice(None, None, -1),) * x.ndim
+        return x[flip].copy()[flip]
+    if layout == "transposed":  # SB3's VecTransposeImage: HWC frames seen as CHW
+        perm = (*range(lead), *row_axes[1:], row_axes[0])  # the first row axis last ...
+        back = np.argsort(perm)
+        return x.transpose(perm).copy().transpose(back)  # ... and back: a permuted view
+    if layout == "fortran order":
+        return np.asfortranarray(x)
+    if layout == "every other item":
+        wide = np.zeros((*x.shape, 2), x.dtype)
+        wide[..., 0] = x
+        return wide[..., 0]
+    if layout == "broadcast":  # stride 0: the same row (or item) repeated
+        return np.broadcast_to(x[..., :1] if x.ndim > lead else x, x.shape)
+    raise AssertionError(layout)
+
+
+LAYOUTS = ["contiguous", "reversed last axis", "negative strides", "transposed", "fortran order",
+           "every other item", "broadcast"]
+
+
+def _values(rng: np.random.Generator, lead: tuple[int, ...], layout: str,
+            cast: bool = False) -> dict[str, np.ndarray]:
+    out = {}
+    for name, f in LAYOUT_SPEC.items():
+        x = (rng.random((*lead, *f.shape)) * 100).astype(f.dtype)
+        if cast and f.dtype.kind == "i":  # a safe cast as well as a layout
+            x = x.astype(np.int8)
+        out[name] = _laid_out(x, layout, len(lead)) if x.ndim else x
+    assert (layout == "contiguous") != any(not v.flags.c_contiguous for v in out.values())
+    return out
+
+
+def _assert_rows(buf: shmbuf.ReplayBuffer, indices: np.ndarray, lanes: np.ndarray | int,
+                 given: list[dict[str, np.ndarray]]) -> None:
+    rows = buf.get(indices, lanes)
+    for j, values in enumerate(given):
+        for name, v in values.items():
+            np.testing.assert_array_equal(rows[name][j], v, err_msg=f"{name} row {j}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_add_stores_arrays_of_any_layout_as_their_values(layout, store_path):
+    rng = np.random.default_rng(LAYOUTS.index(layout))
+    with shmbuf.ReplayBuffer.create(LAYOUT_SPEC, capacity=4) as buf, buf.writer() as w:
+        given = []
+        for i in range(6):  # around the ring
+            row = _values(rng, (), layout, cast=i % 2 == 1)
+            assert w.add(**row) == i
+            given.append(row)
+        _assert_rows(buf, np.arange(2, 6), 0, given[2:])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_extend_stores_batches_of_any_layout_as_their_values(layout, store_path):
+    """Batches crossing the ring's end and longer than the ring: the rows kept hold the
+    batch's rows, however the batch is laid out (the batch axis included)."""
+    rng = np.random.default_rng(10 + LAYOUTS.index(layout))
+    with shmbuf.ReplayBuffer.create(LAYOUT_SPEC, capacity=8) as buf, buf.writer() as w:
+        at = 0
+        for n, cast in ((5, False), (6, True), (11, False)):
+            batch = _values(rng, (n,), layout, cast)
+            assert w.extend(batch) == range(at, at + n)
+            at += n
+            keep = min(n, 8)
+            rows = [{k: v[j] for k, v in batch.items()} for j in range(n - keep, n)]
+            _assert_rows(buf, np.arange(at - keep, at), 0, rows)
+
+
+@pytest.mark.parametrize("num_envs", [1, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vector_writers_store_arrays_of_any_layout_as_their_values(layout, num_envs,
+                                                                   store_path):
+    rng = np.random.default_rng(20 + LAYOUTS.index(layout))
+    with shmbuf.ReplayBuffer.create(LAYOUT_SPEC, capacity=4, lanes=num_envs) as buf, \
+            buf.writer(num_envs=num_envs) as v:
+        for i in range(6):
+            step = _values(rng, (num_envs,), layout, cast=i % 2 == 1)
+            assert v.add(**step).tolist() == [i] * num_envs
+        lanes = np.arange(num_envs)
+        _assert_rows(buf, np.full(num_envs, 5), lanes,
+                     [{k: x[e] for k, x in step.items()} for e in range(num_envs)])

@@ -86,12 +86,12 @@ def test_sampling_stores_nothing_in_the_buffer():
 @given(lanes=st.integers(1, 300), capacity=st.integers(1, 5000), json_len=st.integers(0, 9000))
 def test_per_batch_stores_never_share_a_line_pair_with_per_add_words(lanes, capacity, json_len):
     """Words stored once per batch by samplers and pools (each sampler's limiter counter, each
-    lane's ``LANE_RELEASED`` in queue mode) and the words every ``add`` stores or loads (each
+    lane's ``LANE_CONSUMED`` in queue mode) and the words every ``add`` stores or loads (each
     lane's ``committed`` and ``reserved``, the limiter's generation) lie in different 128-byte
     pairs of lines, and no two lanes' per-add words share a pair."""
     lay = L.buffer_layout([("x", (3,), np.dtype("f4"))], capacity, lanes, json_len)
     per_batch = {lay.sampler_counter(j) // PAIR for j in range(L.MAX_SAMPLERS)}
-    per_batch |= {lay.lane_word(k, L.LANE_RELEASED) // PAIR for k in range(lanes)}
+    per_batch |= {lay.lane_word(k, L.LANE_CONSUMED) // PAIR for k in range(lanes)}
     per_add_by_lane = [{lay.lane_word(k, L.LANE_COMMITTED) // PAIR,
                         lay.lane_word(k, L.LANE_RESERVED) // PAIR} for k in range(lanes)]
     per_add = set().union(*per_add_by_lane) | {lay.limiter_word(L.LIM_GENERATION) // PAIR}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import addcompile, slots
+from shmbuf import slots, store
 from shmbuf import layout as L
 
 SPEC = shmbuf.Spec(x=((), "int64"), obs=((3,), "float32"))
@@ -152,17 +152,16 @@ def test_writer_add_leaves_the_words_of_slots_write_row():
     with shmbuf.ReplayBuffer.create(SPEC, capacity=C) as added, \
             shmbuf.ReplayBuffer.create(SPEC, capacity=C) as reference:
         with added.writer() as w:
-            assert (w._put is None) == (addcompile.RowPut is None)
+            assert w._store.compiled == (store.CompiledStore is not None)
             for i in range(n):
                 w.add(**row(i))
         with reference.writer() as w:
-            q = reference.storage.words
-            cols = [w._cols[k] for k, _ in enumerate(SPEC)]
+            q, lay = reference.storage.words, reference._layout
+            at = (lay.stamp(0) // 8, lay.meta.offset // 8, word(reference, 0, L.LANE_COMMITTED),
+                  word(reference, 0, L.LANE_RESERVED), C)
+            cols = [reference.storage.columns[name][:C] for name in SPEC]
             for i in range(n):
-                s = i % C
-                slots.claim(q, w._w_reserved, i + 1)
-                slots.write_row(q, w._stamp0 + s, w._meta0 + s, w._w_committed, i, cols, s,
-                                list(row(i).values()), L.pack_meta(0, i))
+                slots.write_row(q, at, i, cols, list(row(i).values()), L.pack_meta(0, i))
             w._next = n  # (the writer's own count, so that its close() is ordinary)
             del cols
         assert words_of(added) == words_of(reference)
@@ -426,34 +425,3 @@ def f(self, q, stamps, table, buf, add, one):
     self._stamps += 1
 """
     assert len(_stores(ast.parse(code))) == 9
-
-
-def test_the_compiled_twin_stores_in_write_rows_order():
-    """``_add_c.c``'s ``put`` (``Writer.add`` where it was built) is the one write path outside
-    this module. Its stores, read from its source, come in ``claim`` + ``write_row``'s order,
-    with a store barrier after the odd stamp, before the even one and before ``committed``, and
-    sfences around the streamed bytes. The byte-identity tests show what it stores, not when:
-    this pins the when."""
-    source = (PACKAGE / "_add_c.c").read_text()
-    body = source[source.index("static PyObject *rowput_put("):]
-    body = body[body.index("long long s = i % self->capacity;"):body.index("return result;")]
-    steps = [
-        "store_word(w + self->w_reserved, i + 1)",  # claim
-        "store_word(w + self->stamp0 + s, 2 * i + 1)",  # odd stamp
-        "store_order()",
-        "_mm_sfence()",
-        "stream_copy(dst, src[k], f->nbytes)",  # the row
-        "memcpy(dst, src[k], (size_t)f->nbytes)",
-        "_mm_sfence()",
-        "store_word(w + self->meta0 + s,",  # meta
-        "store_order()",
-        "store_word(w + self->stamp0 + s, 2 * i + 2)",  # even stamp
-        "store_order()",
-        "store_word(w + self->w_committed, i + 1)",  # committed
-    ]
-    at = 0
-    for step in steps:
-        found = body.find(step, at)
-        assert found >= 0, f"_add_c.c's put: {step!r} missing or out of order"
-        at = found + len(step)
-    assert body.count("store_word(") == 5, "a store to a seqlock word this test does not place"

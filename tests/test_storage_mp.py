@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 import shmbuf
-from shmbuf import addcompile
+from shmbuf import store
 from tests import storage_procs as procs
 
 WRITERS = 4
@@ -63,7 +63,7 @@ def test_four_writers_two_readers_never_deliver_a_torn_row(mp):
         for k in range(WRITERS):
             rep = by_kind["writer"][k]
             assert rep["extends"] > 0 and rep["adds"] > 0
-            assert rep["compiled_add"] == (addcompile.RowPut is not None)
+            assert rep["compiled_add"] == (store.CompiledStore is not None)
             assert committed[k] == rep["committed"]
         win = buf.windows()
         assert (win.sizes == CAPACITY).all()

@@ -1,5 +1,5 @@
 """Large rows stored streaming past the caches (``shmbuf/_stream_c.c``, used by ``Writer.add``
-and ``Writer.extend`` for rows of ``addcompile.STREAM_MIN_ROW_BYTES`` or more).
+and ``Writer.extend`` for rows of ``store.STREAM_MIN_ROW_BYTES`` or more).
 
 The rows written come back whole through every path (a wrapping ring, an extend longer than the
 ring, rows the extension refuses and NumPy stores); what the extension cannot copy as it is it
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import addcompile
+from shmbuf import store
 from tests._helpers.processes import reap
 from tests._helpers.rows import RowScheme
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(addcompile.stream_rows is None, reason="_stream_c was not built"),
+    pytest.mark.skipif(store.stream_rows is None, reason="_stream_c was not built"),
 ]
 
 # payload and mirror 8 KB each, obs 16 KB: three streamed fields; lane, index, check are not
@@ -32,7 +32,7 @@ SPEC = shmbuf.Spec(ROWS.fields)
 
 
 def test_the_large_fields_stream_and_the_small_ones_do_not():
-    assert [addcompile.streams(f) for f in SPEC.values()] == [
+    assert [store.streams(f) for f in SPEC.values()] == [
         False, False, True, True, True, False]  # lane, index, obs, payload, mirror, check
 
 
@@ -71,7 +71,7 @@ def test_store_rows_copies_every_byte_at_any_alignment(row_bytes):
     expected = column.copy()
     for first, count in [(0, 1), (1, 1), (2, 3), (5, 4)]:
         rows = rng.integers(0, 256, (count, row_bytes), dtype=np.uint8)
-        assert addcompile.stream_rows(column, first, rows, count) is True
+        assert store.stream_rows(column, first, rows, count) is True
         expected[first:first + count] = rows
         np.testing.assert_array_equal(column, expected)
 
@@ -81,19 +81,19 @@ def test_store_rows_refuses_what_it_cannot_copy_as_it_is_and_stores_nothing():
     row = np.arange(1024, dtype=np.uint32)
     for refused in (row.astype(np.int32), row.astype(np.float32), row.astype(np.uint64)[:512],
                     np.repeat(row, 2)[::2], row[:1000], [1, 2, 3]):
-        assert addcompile.stream_rows(column, 3, refused, 1) is False
-    assert addcompile.stream_rows(column, 3, np.stack([row, row]), 1) is False  # 2 rows, not 1
+        assert store.stream_rows(column, 3, refused, 1) is False
+    assert store.stream_rows(column, 3, np.stack([row, row]), 1) is False  # 2 rows, not 1
     with pytest.raises(IndexError):
-        addcompile.stream_rows(column, 8, row, 1)
+        store.stream_rows(column, 8, row, 1)
     with pytest.raises(IndexError):
-        addcompile.stream_rows(column, 7, np.stack([row, row]), 2)
+        store.stream_rows(column, 7, np.stack([row, row]), 2)
     assert not column.any()
-    assert addcompile.stream_rows(column, 6, np.stack([row, row + 1]), 2) is True
+    assert store.stream_rows(column, 6, np.stack([row, row + 1]), 2) is True
     assert (column[6] == row).all() and (column[7] == row + 1).all() and not column[:6].any()
     frozen = np.zeros((8, 1024), np.uint32)
     frozen.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
-        addcompile.stream_rows(frozen, 0, row, 1)
+        store.stream_rows(frozen, 0, row, 1)
 
 
 def lap_the_ring(name: str, stop, use_extend: bool) -> None:
