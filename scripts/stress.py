@@ -12,6 +12,18 @@ gap, any hang past ``--hang-timeout``, or any entry left in /dev/shm.
 
     python scripts/stress.py --actors 3 --workers 2 --seconds 30 --kill-every 0.5
     python scripts/stress.py --workers 4 --train-step 0.02   # workers block: next() wakes them
+
+``--chaos`` (``scripts/chaos_harness.py``) adds SIGSTOPs of any process for 0.1-3 s, the learner
+included, and SIGKILLs of the learner itself every 20-40 s: the learner then runs in its own
+process (``scripts/chaos_learner.py``), restarted by the harness on the same buffer, and reports
+each batch it checked over a socket that survives it. ``--mode`` picks what is sampled
+(uniform, prioritized, queue, sequences, prioritized-sequences, framestack-nstep, epoch,
+max-times, or all of them one after another, ``--seconds`` each); actors end episodes at random
+and every window, stack and n-step return is checked against the episode ids they write. Each
+mode prints a summary and PASS or FAIL; the exit status is non-zero if any mode failed.
+
+    python scripts/stress.py --chaos --mode all --seconds 60 --actors 3 --workers 2
+    python scripts/stress.py --chaos --mode queue --seconds 10 --learner-kill-every 3,6
 """
 
 from __future__ import annotations
@@ -59,26 +71,117 @@ def left_behind(before: set[str]) -> list[str]:
     return sorted(n for n in new if owners.get(n, os.getpid()) == os.getpid())
 
 
+def chaos_modes() -> list[str]:
+    from chaos_modes import MODES  # (scripts/ is on sys.path: this script's directory)
+
+    return list(MODES)
+
+
+def seconds_range(text: str) -> tuple[float, float] | None:
+    """``"20,40"`` -> (20.0, 40.0); ``"5"`` -> (5.0, 5.0); ``"0"`` -> None (never)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX seconds, got {text!r}") from None
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or parts[0] < 0 or parts[1] < parts[0]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX seconds with 0 <= MIN <= MAX, got "
+                                         f"{text!r}")
+    return None if parts[1] == 0 else (parts[0], parts[1])
+
+
+def arm_watchdog(what: str, seconds: int) -> None:
+    """SIGALRM in ``seconds``: ends the run (its cleanup runs) with a FAIL line."""
+    def fire(*_: object) -> None:
+        raise SystemExit(f"FAIL [{what}]: watchdog fired after {seconds} s: the harness hung")
+
+    signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    """``--chaos`` / ``--mode``: each mode in its own run of ``chaos_harness.ChaosRun``."""
+    from chaos_harness import ChaosConfig, ChaosRun
+    from chaos_modes import MODES
+
+    mode = args.mode or args.sampler
+    names = list(MODES) if mode == "all" else [mode]
+    hang = 30.0 if args.hang_timeout is None else args.hang_timeout
+    summaries = []
+    for i, name in enumerate(names):
+        cfg = ChaosConfig(
+            mode=name, seconds=args.seconds, actors=args.actors, workers=args.workers,
+            batch_size=args.batch_size, capacity=args.capacity, payload=args.payload,
+            max_extend=args.max_extend, longest_episode=args.longest_episode,
+            kill_every=args.kill_every, chaos=args.chaos, stop_every=args.stop_every,
+            stop_for=args.stop_for or (0.0, 0.0), train_step=args.train_step,
+            learner_kill_every=args.learner_kill_every, hang_timeout=hang,
+            max_segments=args.max_segments or None, seed=args.seed + i, start_method=args.start_method,
+            log_events=args.log_events)
+        arm_watchdog(name, int(args.seconds + 6 * hang + 120))  # only if the harness hangs
+        summaries.append(ChaosRun(cfg).run())
+        signal.alarm(0)
+    if len(summaries) > 1:
+        print("\nall modes:")
+        for s in summaries:
+            print(f"  {'PASS' if s.passed else 'FAIL'} {s.mode:22s} {s.batches:8,} batches "
+                  f"{s.rows_verified:11,} rows verified, kills {sum(s.kills.values()):4}, "
+                  f"SIGSTOPs {sum(s.stops.values()):3}, learner restarts {s.learner_restarts}, "
+                  f"duplicates {s.duplicates}, gaps {s.gaps}, segments max "
+                  f"{max(s.segments, default=0)}, {len(s.failures)} failures")
+    failed = [s.mode for s in summaries if not s.passed]
+    print(f"FAIL: {', '.join(failed)}" if failed else "PASS", flush=True)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--actors", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=20.0, help="the run's length (per mode)")
     p.add_argument("--kill-every", type=float, default=0.5,
                    help="seconds between SIGKILLs of a random actor or worker (0: none)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--capacity", type=int, default=2048, help="rows per lane (small: lots of wrap)")
     p.add_argument("--payload", type=int, default=1024, help="payload bytes per row")
     p.add_argument("--max-extend", type=int, default=64)
-    p.add_argument("--hang-timeout", type=float, default=15.0,
-                   help="a next() that waits longer than this is a hang")
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="a next() that waits longer than this is a hang (default 15 s; with "
+                        "--chaos or --mode: a learner with no progress for this long, 30 s)")
     p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
     p.add_argument("--sampler", default="uniform", choices=["uniform", "prioritized", "queue"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-step", type=float, default=0.0,
                    help="seconds the learner sleeps after each batch (e.g. 0.02: the workers "
-                        "then block between batches, and next() wakes them)")
+                        "then block between batches, and next() wakes them; with --mode, a "
+                        "learner SIGKILL then mostly finds a batch held)")
+    p.add_argument("--chaos", action="store_true",
+                   help="also SIGSTOP any process and SIGKILL the learner (in its own process)")
+    p.add_argument("--mode", default=None, choices=[*chaos_modes(), "all"],
+                   help="what the learner samples (default: --sampler); 'all': every mode in "
+                        "turn, --seconds each. Runs the learner in its own process")
+    p.add_argument("--stop-every", type=float, default=1.0,
+                   help="--chaos: seconds between SIGSTOPs of a random process (0: none)")
+    p.add_argument("--stop-for", type=seconds_range, default=(0.1, 3.0), metavar="MIN,MAX",
+                   help="--chaos: how long each SIGSTOP lasts, drawn in [MIN, MAX] seconds")
+    p.add_argument("--learner-kill-every", type=seconds_range, default=(20.0, 40.0),
+                   metavar="MIN,MAX", help="--chaos: seconds from a learner's start to its "
+                                           "SIGKILL, drawn in [MIN, MAX] (0: never)")
+    p.add_argument("--max-segments", type=int, default=3,
+                   help="--mode: fail if more segments of the buffer than this exist in "
+                        "/dev/shm after a learner restart (the buffer, a staging ring and a "
+                        "priority table: a restarted learner reclaims what the dead one left; "
+                        "0: no check)")
+    p.add_argument("--longest-episode", type=int, default=200,
+                   help="--mode: actors' episodes last 1 to this many steps")
+    p.add_argument("--log-events", action="store_true",
+                   help="--mode: print every signal sent and every learner start")
     args = p.parse_args(argv)
+    if args.chaos or args.mode is not None:
+        return run_chaos(args)
+    if args.hang_timeout is None:
+        args.hang_timeout = 15.0
 
     shm_before = set(os.listdir(SHM_DIR))
     watchdog = args.seconds + 4 * args.hang_timeout + 60

@@ -3,6 +3,8 @@ index), so whoever reads a row can tell a whole one from a torn, stale or mispla
 
 Used by ``tests/pool_procs.py``, ``tests/storage_procs.py`` and ``scripts/stress.py``; each picks
 a shape (payload width and dtype, an ``obs`` block, a ``mirror`` column) to suit what it races.
+``episode_frames`` adds frames that also name their episode (the chaos harness's windows, frame
+stacks and n-step returns, ``scripts/chaos_*.py``).
 """
 
 from __future__ import annotations
@@ -165,3 +167,73 @@ class ShiftedBatches:
         np.add(base["check"][lo:n], np.uint64((shift * CHECK_MUL) & _MASK),
                out=out["check"][lo:n])
         return {k: v[:n] for k, v in out.items()}
+
+
+# -- frames that name their episode ----------------------------------------------------------------
+# An ``obs`` column of FRAME_WORDS uint64 words per row, for races where a row must say which
+# episode it belongs to (windows, frame stacks, n-step returns): its episode id is written by
+# the actor (a random 63-bit number per episode and writer incarnation), so two episodes, or
+# the two sides of a writer's death, can never look alike. The words of one frame:
+#
+# - FRAME_LANE: lane + 1 (never 0: an all-zero frame is padding, never a row);
+# - FRAME_INDEX: the row's logical index in its lane;
+# - FRAME_EPISODE: the episode id;
+# - FRAME_STEP: step << 8 | flags (the step in the episode; FRAME_TERMINATED / FRAME_TRUNCATED
+#   only in the observation after an episode's last step, the true final observation);
+# - FRAME_CHECK: a hash of the other four, so a torn or half-padded frame shows.
+FRAME_WORDS = 5
+FRAME_LANE, FRAME_INDEX, FRAME_EPISODE, FRAME_STEP, FRAME_CHECK = range(FRAME_WORDS)
+FRAME_TERMINATED, FRAME_TRUNCATED = 1, 2  # flags of a final observation
+EPISODE_MUL = 0x94D049BB133111EB  # odd multipliers of the check's terms
+STEP_MUL = 0xFF51AFD7ED558CCD
+FRAME_SALT = 0x2545F4914F6CDD1D  # so that the check of an all-zero frame is not zero
+
+
+def frame_check(lanes: Any, indices: Any, episodes: Any, step_words: Any) -> np.ndarray:
+    """The FRAME_CHECK word of frames with these (lane, index, episode, step << 8 | flags)."""
+    key = row_keys(lanes, indices) * np.uint64(CHECK_MUL)
+    episode = np.asarray(episodes, np.uint64) * np.uint64(EPISODE_MUL)
+    step = np.asarray(step_words, np.uint64) * np.uint64(STEP_MUL)
+    return key ^ episode ^ step ^ np.uint64(FRAME_SALT)
+
+
+def episode_frames(lane: int, indices: Any, episode: int, steps: Any, flags: Any = 0
+                   ) -> np.ndarray:
+    """Frames ``[n, FRAME_WORDS]`` (uint64) of rows ``indices`` of ``lane``, steps ``steps`` of
+    episode ``episode``; ``flags`` only for final observations."""
+    idx = np.atleast_1d(np.asarray(indices, np.int64))
+    step_words = (np.broadcast_to(np.asarray(steps, np.uint64), idx.shape) << np.uint64(8)) \
+        | np.asarray(flags, np.uint64)
+    out = np.empty((idx.size, FRAME_WORDS), np.uint64)
+    out[:, FRAME_LANE] = lane + 1
+    out[:, FRAME_INDEX] = idx.astype(np.uint64)
+    out[:, FRAME_EPISODE] = episode
+    out[:, FRAME_STEP] = step_words
+    out[:, FRAME_CHECK] = frame_check(lane, idx, episode, step_words)
+    return out
+
+
+def bad_frames(frames: Any) -> np.ndarray:
+    """Mask (the shape of ``frames`` without its last axis) of frames whose check word does not
+    match their other words: torn, foreign or padding (zeros)."""
+    f = np.asarray(frames, np.uint64)
+    lanes = f[..., FRAME_LANE].astype(np.int64) - 1
+    want = frame_check(lanes.reshape(-1), f[..., FRAME_INDEX].astype(np.int64).reshape(-1),
+                       f[..., FRAME_EPISODE].reshape(-1), f[..., FRAME_STEP].reshape(-1))
+    return want.reshape(f.shape[:-1]) != f[..., FRAME_CHECK]
+
+
+def frame_steps(frames: Any) -> np.ndarray:
+    """The step in its episode of each frame (int64)."""
+    return (np.asarray(frames, np.uint64)[..., FRAME_STEP] >> np.uint64(8)).astype(np.int64)
+
+
+def frame_flags(frames: Any) -> np.ndarray:
+    """The flags of each frame (FRAME_TERMINATED, FRAME_TRUNCATED; 0 for a step's own frame)."""
+    return (np.asarray(frames, np.uint64)[..., FRAME_STEP] & np.uint64(0xFF)).astype(np.int64)
+
+
+def step_rewards(lanes: Any, indices: Any) -> np.ndarray:
+    """The float32 reward of rows (lane, index): a multiple of 1/4 in [0, 4), so sums of a few
+    of them weighted by powers of 1/2 (n-step returns with gamma = 0.5) are exact."""
+    return ((row_keys(lanes, indices) >> np.uint64(60)).astype(np.float32) / np.float32(4.0))
