@@ -289,7 +289,10 @@ _DOC_REQUIRED = {KIND_BUFFER: ("capacity", "lanes"), KIND_PRIORITY: ("capacity",
 def check_layout_doc(kind: int, doc: Any, total_size: int) -> None:
     """Raise ValueError unless ``doc`` is a plausible layout document of a ``kind`` segment of
     ``total_size`` bytes: a JSON object, not too deep, whose geometry is ints in range that fit
-    the segment. Pure, so readers of an untrusted header call it before any layout math."""
+    the segment, and whose fields' sizes (rows x shape x itemsize, in exact integers: a shape
+    of 2**64 elements does not wrap) fit in ``total_size``, which ``read_header`` has checked
+    against the file's real size. Pure, so readers of an untrusted header call it before any
+    layout math."""
     if not isinstance(doc, dict):
         raise ValueError(f"the layout is a JSON {type(doc).__name__}, not an object")
     if _depth(doc) > MAX_LAYOUT_DEPTH:
@@ -310,12 +313,60 @@ def check_layout_doc(kind: int, doc: Any, total_size: int) -> None:
         )
     if kind == KIND_BUFFER and "spec" not in doc:
         raise ValueError("the layout has no 'spec'")
+    needed = 0
     for key in _DOC_FIELD_LISTS:
         if key in doc:
             _check_fields(key, doc[key])
+            needed += _fields_bytes(key, doc[key], doc, total_size)
+    if needed > total_size:
+        raise ValueError(
+            f"the layout's fields need at least {needed} bytes, more than the segment's "
+            f"{total_size}"
+        )
 
 
 _DOC_FIELD_LISTS = ("spec", "episode_spec", "arrays")  # lists of {"name", "shape", "dtype"}
+# How many rows of each field list a segment holds: the product of these layout entries (an
+# entry a document does not carry counts 1). A staging ring's shapes include the batch axis.
+_FIELD_ROWS = {"spec": ("capacity", "lanes"), "episode_spec": ("episode_capacity", "lanes"),
+               "arrays": ("n_slots",)}
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes of one element of ``dtype``, at least 1; 1 for a string NumPy cannot parse (its
+    reader refuses it)."""
+    try:
+        return max(1, np.dtype(dtype).itemsize)
+    except (TypeError, ValueError, OverflowError):
+        return 1
+
+
+def _fields_bytes(key: str, fields: list[dict[str, Any]], doc: dict[str, Any],
+                  total_size: int) -> int:
+    """Bytes the rows of the field list ``doc[key]`` take at least, in exact integers (a shape
+    whose product overflows 64 bits must not wrap into a small size); raise ValueError if one
+    field alone does not fit in ``total_size`` bytes, counting one row even where none is
+    stored. Call after ``_check_fields`` and the range checks of ``_DOC_INTS``."""
+    rows = 1
+    for entry in _FIELD_ROWS[key]:
+        rows *= doc.get(entry, 1)
+    total = 0
+    for f in fields:
+        row = _itemsize(f["dtype"])
+        if 0 not in f["shape"]:
+            for d in f["shape"]:  # stop early: a long shape of big dims stays a small int
+                row *= d
+                if row > total_size:
+                    break
+        else:
+            row = 0
+        if max(rows, 1) * row > total_size:
+            raise ValueError(
+                f"{key} field {f['name'][:40]!r} of shape {str(f['shape'])[:60]}, {rows} times "
+                f"over, needs more than the segment's {total_size} bytes"
+            )
+        total += rows * row
+    return total
 
 
 def _check_fields(key: str, fields: Any) -> None:

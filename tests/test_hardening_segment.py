@@ -255,6 +255,101 @@ def test_a_buffer_layout_this_shmbuf_cannot_use_is_a_format_error(case, capsys):
         _remove(name)
 
 
+# Shapes whose element count overflows 64 bits: 2**64, which int64 arithmetic wraps to 0, and
+# 2**64 - 1 (3*5*17*257*65537 = 2**32 - 1 and 641*6700417 = 2**32 + 1), which wraps to -1.
+OVERFLOWING_SHAPES = {"2**32 x 2**32": [2**32, 2**32],
+                      "fermat factors": [3, 5, 17, 257, 641, 65537, 6700417]}
+SANE_SHAPE = [2, 3]
+
+
+def _shaped_segment(where: str, shape: list[int]) -> bytes:
+    """A segment of the kind whose layout holds a field of ``shape`` at ``where``, sized as this
+    shmbuf's own layout math sizes that document: a tamperer who writes that size passes every
+    size comparison made after the layout is computed."""
+    field = [{"name": "x", "shape": shape, "dtype": "<f4"}]
+    if where == "staging arrays":
+        from workers.staging import staging_layout
+
+        doc = {"kind": "staging", "n_slots": 2, "n_waiters": 1, "arrays": field}
+        size = staging_layout([("x", tuple(shape), "<f4")], 2,
+                              len(L.encode_layout(doc)), 1).total_size
+        return _segment_bytes(doc=doc, kind=L.KIND_STAGING, size=size)
+    key = {"buffer spec": "spec", "buffer episode_spec": "episode_spec"}[where]
+    doc = {**_buffer_doc(), key: field}
+    spec = shmbuf.Spec.from_json(doc["spec"])
+    episode = shmbuf.Spec.from_json(doc["episode_spec"]) if doc["episode_spec"] else None
+    size = L.buffer_layout(
+        [(f.name, f.shape, f.dtype) for f in spec.values()], doc["capacity"], doc["lanes"],
+        len(L.encode_layout(doc)),
+        [(f.name, f.shape, f.dtype) for f in episode.values()] if episode else [],
+        doc["episode_capacity"]).total_size
+    return _segment_bytes(doc=doc, size=size)
+
+
+def _attach_as_its_kind(where: str, name: str) -> Any:
+    if where == "staging arrays":
+        from workers.staging import StagingRing
+
+        return StagingRing.attach(name)
+    return shmbuf.ReplayBuffer.attach(name, timeout=0.2)
+
+
+# Every layout that carries shapes: a buffer's spec and episode spec, a staging ring's slot
+# arrays. A priority table's layout has none (capacity and lanes only, bounded on their own).
+SHAPED_KINDS = ["buffer spec", "buffer episode_spec", "staging arrays"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", SHAPED_KINDS)
+def test_the_shaped_segment_builder_makes_segments_that_attach(where):
+    """Control for the overflow test below: the same documents with a sane shape attach."""
+    name = _name("shaped")
+    _write(name, _shaped_segment(where, SANE_SHAPE))
+    try:
+        attached = _attach_as_its_kind(where, name)
+        if where == "staging arrays":
+            assert attached.slot(0)["x"].shape == tuple(SANE_SHAPE)
+            attached.close()
+        else:
+            with attached as buf:
+                assert buf.capacity == 8
+    finally:
+        _remove(name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", sorted(OVERFLOWING_SHAPES))
+@pytest.mark.parametrize("where", SHAPED_KINDS)
+def test_a_shape_whose_size_overflows_64_bits_is_a_format_error_at_attach(where, shape, capsys):
+    """A layout's sizes are checked in exact integers against the segment's real size: a shape
+    of 2**64 elements (which int64 products wrap to 0 or -1) is refused when the header is
+    read, naming the segment and the field, not an untyped ValueError from a reshape."""
+    name = _name("overflow")
+    _write(name, _shaped_segment(where, OVERFLOWING_SHAPES[shape]))
+    try:
+        for attach in (lambda: Segment.attach(name, timeout=0.2),
+                       lambda: _attach_as_its_kind(where, name)):
+            with pytest.raises(shmbuf.SegmentFormatError, match=name) as e:
+                attach()
+            assert "field 'x'" in str(e.value) and "needs more than" in str(e.value)
+            assert _open_on(name) == ([], []), "the refused segment is still open or mapped"
+        assert cli.main(["inspect", name]) == 1
+        err = capsys.readouterr().err
+        assert name in err and "Traceback" not in err
+        assert os.path.exists(_path(name))  # nothing deleted it
+    finally:
+        _remove(name)
+
+
+def test_fields_that_fit_alone_but_not_together_are_a_format_error():
+    """The exact sum over every field list counts too, not only each field on its own."""
+    half = [{"name": n, "shape": [1000], "dtype": "<f8"} for n in ("a", "b")]  # 8000 B a row
+    doc = {"kind": "staging", "n_slots": 1, "arrays": half}
+    L.check_layout_doc(L.KIND_STAGING, doc, 16000)
+    with pytest.raises(ValueError, match="fields need at least 16000 bytes"):
+        L.check_layout_doc(L.KIND_STAGING, doc, 15999)
+
+
 @pytest.mark.timeout(120)
 def test_ls_lists_malformed_segments_as_unreadable_and_gc_collects_only_the_leaked(capsys):
     """One malformed file must not break ls or gc for the others; gc removes the leaked
