@@ -176,3 +176,9 @@ def wait_for(pred: Any, timeout: float, what: str) -> None:
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def calls_in_flight(sampler: Any, k: int) -> list[Any]:
+    """The Ray refs of the fetches ``sampler`` has in flight to node ``k``'s host (a fault test
+    waits until they have failed, so that the sampler's next look at the node finds it lost)."""
+    return list(sampler._sources[k].inflight)

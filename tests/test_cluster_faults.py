@@ -1,7 +1,9 @@
 """Faults of a ``ReplayCluster`` on a local Ray cluster (started once for the module): an actor
 SIGKILLed (restarted by Ray, its lane taken over), a host actor SIGKILLed (restarted; it
 re-adopts its node's segment and no row is lost), a node removed (dropped with a warning, or a
-typed error when strict). The learner never sees a torn or foreign row, nothing hangs.
+typed error when strict), also when the sampler finds the loss while polling the nodes'
+counts, and a node lost in the middle of a queue batch (the batch's rows are kept). The learner
+never sees a torn or foreign row, nor the sampler's internal ``NodeLost``; nothing hangs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from workers.cluster import (  # noqa: E402
     ReplayCluster,
     current_node_id,
 )
+from workers.cluster_nodes import node_alive  # noqa: E402
+from workers.cluster_sources import NodeLost  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -161,6 +165,98 @@ def test_removed_node_is_dropped_or_raises_when_strict(ray_nodes, strict):
             assert sample_checked(sampler, 20)[1] == 0  # only the live node's rows now
             with pytest.warns(NodeLostWarning):
                 cp.wait_for(lambda: (group.poll(), group.lost)[1] == 1, 60, "the lost actor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cluster.close()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_node_lost_while_polling_counts_is_dropped_or_raises_when_strict(ray_nodes, strict):
+    """``next()`` first polls every node's replies and counts; a node found lost there is
+    dropped with ``NodeLostWarning`` (``NodeLostError`` when strict), never ``NodeLost``.
+
+    Deterministic: a queue sampler drains the remote node, so its fetches wait on its host
+    (``wait_s``) when the node is removed; once Ray has failed them, the next ``next()`` (more
+    than ``POLL_EVERY_S`` later) polls before it takes any row and finds the loss there."""
+    cluster_utils, nodes = ray_nodes
+    extra = cluster_utils.add_node(**cp.NODE_ARGS)
+    cluster_utils.wait_for_nodes(timeout=60)
+    pair = [nodes[0], extra.node_id]
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
+                       nodes=pair) as cluster:
+        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, rows, 0)
+                 for k, (n, rows) in enumerate(zip(pair, [256, 64]))], timeout=60)
+        with cluster.sampler(32, sampler="queue", seed=8, timeout=60, strict=strict,
+                             prefetch_calls=2, wait_s=120.0) as sampler:
+            deadline = time.monotonic() + 60
+            while sampler.stats()["nodes"][1]["rows_sampled"] < 64:  # the remote node drained
+                assert time.monotonic() < deadline, sampler.stats()
+                assert not cp.bad_rows(sampler.next(), LANES).any()
+            pending = cp.calls_in_flight(sampler, 1)
+            assert pending, "the drained node's fetches wait on its host"
+            ray.get(cp.write_rows.options(**cluster.on_node(pair[0])).remote(
+                cluster, 0, LANES, 64, 1), timeout=60)  # rows for the batches after the loss
+            cluster_utils.remove_node(extra, allow_graceful=False)
+            cp.wait_for(lambda: not node_alive(extra.node_id), 90, "Ray to see the node dead")
+            done, _ = ray.wait(pending, num_returns=len(pending), timeout=90)
+            assert len(done) == len(pending), "the calls to the lost host failed"
+            if strict:
+                with pytest.raises(NodeLostError, match=extra.node_id[:12]):
+                    sampler.next()
+            else:
+                with pytest.warns(NodeLostWarning, match=extra.node_id[:12]):
+                    batch = sampler.next()
+                assert sampler.stats()["dropped"] == [extra.node_id]
+                assert not cp.bad_rows(batch, LANES).any() and (batch.nodes == 0).all()
+                assert not cp.bad_rows(sampler.next(), LANES).any()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cluster.close()
+
+
+def test_queue_batch_keeps_its_rows_when_a_node_is_lost_in_it(ray_nodes):
+    """A node found lost while a queue batch is half filled is dropped there: the rows already
+    copied into the batch are delivered, so every node's rows still come once, oldest first,
+    without a hole (a retried batch would drop them: they were taken from their chunks).
+
+    The loss is injected at the node's source (``next_chunk`` raises the sampler's own
+    ``NodeLost``) at the moment it matters: after the local node's rows went into the batch."""
+    _, nodes = ray_nodes
+    pair = nodes[:2]
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=1024, lanes_per_node=LANES,
+                       nodes=pair) as cluster:
+        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 512, 0)
+                 for k, n in enumerate(pair)], timeout=60)
+        with cluster.sampler(32, sampler="queue", seed=9, timeout=30,
+                             rows_per_call=16) as sampler:
+            local, remote = sampler._sources
+            local_chunk, remote_chunk = local.next_chunk, remote.next_chunk
+            state = {"local_rows_in_batch": False, "fired": 0}
+
+            def local_next_chunk(wait):
+                chunk = local_chunk(wait)
+                state["local_rows_in_batch"] |= chunk is not None and chunk.rows > 0
+                return chunk
+
+            def remote_next_chunk(wait):
+                if state["local_rows_in_batch"]:
+                    state["fired"] += 1
+                    raise NodeLost(pair[1], f"node {pair[1][:12]} is gone (injected)")
+                return remote_chunk(wait)
+
+            local.next_chunk, remote.next_chunk = local_next_chunk, remote_next_chunk
+            local_rows: list[int] = []
+            with pytest.warns(NodeLostWarning, match="injected"):
+                for _ in range(40):
+                    state["local_rows_in_batch"] = False
+                    batch = sampler.next()
+                    assert not cp.bad_rows(batch, LANES).any()
+                    local_rows += batch.indices[batch.nodes == 0].tolist()
+                    if state["fired"] and len(local_rows) >= 160:
+                        break
+            assert state["fired"] == 1 and sampler.stats()["dropped"] == [pair[1]]
+            # Lane 0 of the local node, oldest first: every row once, no hole.
+            assert sorted(local_rows) == list(range(len(local_rows))), local_rows
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cluster.close()

@@ -1,13 +1,18 @@
 """``shmbuf.integrations.torchrl.Storage`` under TorchRL's own ReplayBuffer, writer and samplers:
 the same samples as TorchRL's ``LazyTensorStorage`` fed the same data, priorities that change
-draw frequencies, state dicts, and writers in other processes. Skipped without torchrl.
+draw frequencies, state dicts, and writers in other processes, also copies made before the first
+write (TorchRL's ``rb.share()`` pattern): the same rows in every copy, one segment, owned and
+unlinked by the process that made the storage. Skipped without torchrl.
 """
 
 from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import pickle
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -27,7 +32,8 @@ from torchrl.data import (  # noqa: E402
     SamplerWithoutReplacement,
 )
 
-from shmbuf import SpecMismatchError  # noqa: E402
+import shmbuf  # noqa: E402
+from shmbuf import SegmentExistsError, SpecMismatchError  # noqa: E402
 from shmbuf.integrations.torchrl import CursorMismatchError, Storage  # noqa: E402
 
 CAPACITY = 16
@@ -36,7 +42,12 @@ CHILD_TIMEOUT = 60.0
 
 def batch(first: int, n: int) -> TensorDict:
     """Rows ``first .. first+n-1``, every entry derived from the row number (nested keys too)."""
-    i = torch.arange(first, first + n)
+    return rows_of(torch.arange(first, first + n))
+
+
+def rows_of(i: torch.Tensor) -> TensorDict:
+    """The rows numbered ``i`` (int64), as ``batch`` makes them."""
+    n = len(i)
     return TensorDict({
         "obs": i[:, None].float() * torch.ones(n, 3),
         "action": i,
@@ -293,3 +304,255 @@ def test_segment_is_unlinked_on_close():
     storage.close()
     with pytest.raises(Exception, match=name):
         Storage.from_name(name, timeout=0.1)
+
+
+# -- copies made before the first write (the segment's name is fixed when the storage is made) ----
+def _segment_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def test_copy_pickled_before_the_first_write_holds_the_same_rows():
+    """The issue's case: ``c = pickle.loads(pickle.dumps(s)); c.extend(td)`` wrote to a buffer
+    of its own; now both write and read one segment, which the original unlinks at close."""
+    with Storage(CAPACITY) as storage:
+        copy = pickle.loads(pickle.dumps(storage))
+        try:
+            copy.extend(batch(0, 3))  # the copy's first write creates the segment
+            assert len(storage) == 3
+            assert_same(storage.get(torch.arange(3)), batch(0, 3))
+            copy.close_writer()
+            storage.extend(batch(3, 2))  # and the original's rows reach the copy
+            assert len(copy) == 5
+            assert_same(copy.get(torch.arange(5)), batch(0, 5))
+        finally:
+            copy.close()
+        assert _segment_exists(storage.name)  # a copy's close leaves it to the original
+        assert len(storage) == 5 and storage.buffer.is_owner  # adopted once the copy let go
+        name = storage.name
+    assert not _segment_exists(name)
+
+
+def test_first_batch_of_a_copy_must_fit_the_spec_another_copy_created():
+    with Storage(CAPACITY) as storage:
+        first, second = (pickle.loads(pickle.dumps(storage)) for _ in range(2))
+        try:
+            first.extend(batch(0, 2))
+            wider = batch(0, 2).set("obs", torch.zeros(2, 4))
+            with pytest.raises(SpecMismatchError, match=r"'obs': shape \(4,\) float32 here, "
+                                                        r"shape \(3,\) float32 in the segment"):
+                second.extend(wider)
+            with pytest.raises(SpecMismatchError, match="'extra': shape"):
+                second.extend(batch(0, 2).set("extra", torch.zeros(2)))
+            assert len(storage) == 2  # nothing was written
+            first.close_writer()
+            second.extend(batch(2, 2))  # a batch that fits goes in
+            assert len(storage) == 4
+        finally:
+            first.close()
+            second.close()
+
+
+def test_named_storage_never_takes_over_an_older_segment():
+    """A name given to ``Storage`` that an unrelated, older segment holds is refused at the
+    first write, as before (the created-after check tells it from a copy's segment)."""
+    with shmbuf.ReplayBuffer.create({"action": ((), "int64")}, 4) as other:
+        time.sleep(1.5)  # older than the storage by more than the clock slack
+        storage = Storage(CAPACITY, name=other.name)
+        with pytest.raises(SegmentExistsError, match="exists from before this Storage"):
+            storage.extend(batch(0, 2))
+        storage.close()
+        assert _segment_exists(other.name)  # left alone
+
+
+def _collector(rb: ReplayBuffer, first: int, n: int, go: object) -> None:
+    """A worker of TorchRL's share() pattern: appends rows ``first..first+n-1``, 4 at a time,
+    through its copy of the shared ReplayBuffer, then stays until ``go``."""
+    for i in range(first, first + n, 4):
+        rb.extend(batch(i, 4))
+    go.wait(CHILD_TIMEOUT)  # type: ignore[attr-defined]
+
+
+def _count_later(storage: Storage, go: object, out: object) -> None:
+    """A copy given before any write (not attached) reads what was written since, by name."""
+    go.wait(CHILD_TIMEOUT)  # type: ignore[attr-defined]
+    actions = storage.get(torch.arange(len(storage)))["action"].tolist()
+    out.put((len(storage), actions))  # type: ignore[attr-defined]
+
+
+def _kill_all(procs) -> None:
+    for p in procs:
+        if p.pid is None:  # never started
+            continue
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+
+
+@pytest.fixture
+def default_start_method(start_method):
+    """``start_method`` as the process-wide default while the test runs: TorchRL makes its
+    shared counters and locks (``rb.share()``) in the default context, and the stdlib refuses
+    to send them to a process of another one."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(start_method, force=True)
+    yield start_method
+    multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.mark.timeout(240)
+def test_shared_replay_buffer_collectors_write_first_the_learner_samples_all(
+        default_start_method):
+    """TorchRL's multiprocess pattern: ``rb.share()``, the buffer sent to collector processes
+    before anything was written, ``rb.extend`` there. Every row lands in the one segment (none
+    in a buffer of a worker's own), the learner writes after them, a reader made before the
+    first write sees it all, and the learner, which made the storage, owns and unlinks it."""
+    ctx = multiprocessing.get_context()  # TorchRL shares its counters and locks the stdlib's way
+    storage = Storage(64)
+    procs = []
+    try:
+        rb = ReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=16).share()
+        go, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_collector, args=(rb, 100 * k, 16, go)) for k in (1, 2)]
+        procs.append(ctx.Process(target=_count_later, args=(storage, go, out)))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while len(rb) < 32:
+            assert time.monotonic() < deadline and all(p.exitcode is None for p in procs)
+            time.sleep(0.05)
+        # The learner's own rows, while the collectors live (the creator holds the segment).
+        rb.extend(batch(0, 8))
+        assert not storage.buffer.is_owner
+        expected = set(range(8)) | set(range(100, 116)) | set(range(200, 216))
+        assert len(rb) == 40
+        held = storage.get(torch.arange(40))
+        assert set(held["action"].tolist()) == expected
+        assert_same(held, rows_of(held["action"]))  # every row whole
+        sample = rb.sample()
+        assert_same(sample, rows_of(sample["action"]))
+        go.set()
+        seen, actions = out.get(timeout=CHILD_TIMEOUT)
+        for p in procs:
+            p.join(CHILD_TIMEOUT)
+        assert [p.exitcode for p in procs] == [0, 0, 0]
+        assert seen == 40 and set(actions) == expected
+        assert storage.buffer.is_owner  # adopted once the collector that created it exited
+        name = storage.name
+    finally:
+        _kill_all(procs)
+        storage.close()
+    assert not _segment_exists(name)
+
+
+def _first_write(storage: Storage, first: int, barrier: object) -> None:
+    barrier.wait(CHILD_TIMEOUT)  # type: ignore[attr-defined]
+    storage.extend(batch(first, 4))
+    storage.close_writer()
+
+
+@pytest.mark.timeout(240)
+def test_first_writes_racing_in_two_processes_make_one_segment(mp):
+    """Two copies write their first batch at once: one creates the segment, the other attaches
+    (``SegmentExistsError`` then attach); the original sees both batches."""
+    storage = Storage(CAPACITY)
+    procs = []
+    try:
+        barrier = mp.Barrier(2)
+        procs = [mp.Process(target=_first_write, args=(storage, first, barrier))
+                 for first in (0, 100)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(CHILD_TIMEOUT)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert len(storage) == 8
+        held = storage.get(torch.arange(8))["action"].tolist()
+        assert sorted(held) == [0, 1, 2, 3, 100, 101, 102, 103]
+        name = storage.name
+    finally:
+        _kill_all(procs)
+        storage.close()
+    assert not _segment_exists(name)
+
+
+def _write_then_wait(storage: Storage, written: object) -> None:
+    storage.extend(batch(0, 6))
+    written.set()  # type: ignore[attr-defined]
+    time.sleep(CHILD_TIMEOUT)  # killed here
+
+
+@pytest.mark.timeout(120)
+def test_segment_made_by_a_killed_worker_is_adopted_and_unlinked(mp):
+    """A worker creates the segment with its first write and is SIGKILLed: its rows stay, the
+    process that made the storage adopts the segment and unlinks it at close."""
+    storage = Storage(CAPACITY)
+    written = mp.Event()
+    p = mp.Process(target=_write_then_wait, args=(storage, written))
+    try:
+        p.start()
+        assert written.wait(CHILD_TIMEOUT)
+        assert len(storage) == 6 and not storage.buffer.is_owner  # the live worker holds it
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(CHILD_TIMEOUT)
+        assert len(storage) == 6 and storage.buffer.is_owner
+        assert_same(storage.get(torch.arange(6)), batch(0, 6))
+        name = storage.name
+    finally:
+        _kill_all([p])
+        storage.close()
+    assert not _segment_exists(name)
+
+
+def test_original_unlinks_at_close_while_a_copy_holds_the_segment():
+    storage = Storage(CAPACITY)
+    copy = pickle.loads(pickle.dumps(storage))
+    try:
+        copy.extend(batch(0, 2))  # the copy created it and holds its owner lease
+        assert len(storage) == 2 and not storage.buffer.is_owner
+        storage.close()
+        assert not _segment_exists(storage.name)
+        assert len(copy) == 2  # its own mapping stays valid until it closes
+    finally:
+        copy.close()
+        storage.close()
+
+
+def _home_exits_without_close(names: object, leave: object, start_method: str) -> None:
+    """The process that makes a storage, whose child copy creates the segment; it never uses
+    the storage again and exits without close(), its child still running."""
+    import multiprocess
+
+    storage = Storage(CAPACITY)
+    names.put(storage.name)  # type: ignore[attr-defined]
+    ctx = multiprocess.get_context(start_method)
+    written = ctx.Event()
+    child = ctx.Process(target=_write_then_wait, args=(storage, written), daemon=True)
+    child.start()
+    assert written.wait(CHILD_TIMEOUT)
+    names.put(child.pid)  # type: ignore[attr-defined]
+    assert leave.wait(CHILD_TIMEOUT)  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_process_that_made_the_storage_unlinks_it_at_exit(mp, start_method):
+    """Whoever created the segment, it goes when the process that made the storage exits (its
+    daemon child copy, which created it, is ended with it)."""
+    names, leave = mp.Queue(), mp.Event()
+    home = mp.Process(target=_home_exits_without_close, args=(names, leave, start_method))
+    child_pid = None
+    try:
+        home.start()
+        name = names.get(timeout=CHILD_TIMEOUT)
+        child_pid = names.get(timeout=CHILD_TIMEOUT)
+        assert _segment_exists(name)  # made by the child, while both live
+        leave.set()
+        home.join(CHILD_TIMEOUT)
+        assert home.exitcode == 0
+        assert not _segment_exists(name)  # unlinked on the home's way out, before it ended
+    finally:
+        _kill_all([home])
+        if child_pid is not None:
+            try:
+                os.kill(child_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

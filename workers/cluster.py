@@ -34,10 +34,11 @@ from .cluster_nodes import (
     on_node,
 )
 from .cluster_sampler import ClusterBatch, ClusterSampler
+from .supervise import MainModuleReimportError, refuse_main_reimport
 
 __all__ = ["ClusterActorContext", "ClusterActors", "ClusterBatch", "ClusterClient", "ClusterSampler", "HostRestartedWarning",
-           "NoHostOnNodeError", "NodeLostError", "NodeLostWarning", "ReplayCluster",
-           "alive_node_ids", "current_node_id", "on_node"]
+           "MainModuleReimportError", "NoHostOnNodeError", "NodeLostError", "NodeLostWarning",
+           "ReplayCluster", "alive_node_ids", "current_node_id", "on_node"]
 
 
 class ReplayCluster(ClusterClient):
@@ -53,6 +54,10 @@ class ReplayCluster(ClusterClient):
         host_restarts: how many times Ray restarts a dead host (it re-adopts the segment).
         timeout: seconds to wait for the hosts to start.
         buffer_kwargs: passed to ``ReplayBuffer.create`` (``next_obs``, ``episode_spec``, ...).
+
+    Raises:
+        MainModuleReimportError: made while a child process (a pool's spawn or forkserver
+            worker) re-runs the main script: put that code under ``if __name__ == "__main__":``.
 
     Concurrency: hosts own the segments; writers on a node attach by name and write lanes as
     with one buffer. Sampling goes through ``sampler()``; see ``ClusterSampler``.
@@ -70,6 +75,7 @@ class ReplayCluster(ClusterClient):
                  lanes_per_node: int = 1, nodes: list[str] | None = None, *,
                  name: str | None = None, host_restarts: int = 3, timeout: float = 60.0,
                  **buffer_kwargs: Any) -> None:
+        refuse_main_reimport("ReplayCluster")  # a child re-running the script: no second cluster
         if not ray.is_initialized():
             raise RuntimeError("ReplayCluster needs a connected Ray: call ray.init() first")
         spec = spec if isinstance(spec, Spec) else Spec(spec)

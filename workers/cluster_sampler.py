@@ -123,7 +123,8 @@ class ClusterSampler:
         return self.next()
 
     def next(self, timeout: float | None = None) -> ClusterBatch:
-        """The next batch (the previous one is released).
+        """The next batch (the previous one is released). A node found lost on the way (in a
+        poll of the nodes' counts, or taking rows) is dropped with a ``NodeLostWarning``.
 
         Raises:
             Timeout: no batch within ``timeout``; ``RateLimitTimeout`` if the cluster-wide
@@ -141,9 +142,7 @@ class ClusterSampler:
         deadline = time.monotonic() + wait
         if time.monotonic() - self._polled > POLL_EVERY_S:  # counts of nodes not drawn lately
             self._polled = time.monotonic()
-            for src in self._sources:
-                if src is not None:
-                    src.poll()
+            self._poll_all(pause=0.0)
         while True:
             try:
                 if self.sampler == "queue":
@@ -184,13 +183,20 @@ class ClusterSampler:
         """What node k's writers are held to, sent with every call to it (``cluster_rate``)."""
         return node_report(self.limit, self._sources, k, int(self.rows_from.sum()))
 
-    def _poll_all(self) -> None:
+    def _poll_all(self, pause: float = 0.005) -> None:
+        """Take in every node's replies and counts, then sleep ``pause`` s (counted as waiting).
+        A node found lost is dropped here (``_drop``), as where rows are taken: ``NodeLost``
+        never leaves the sampler."""
         t0 = time.perf_counter()
-        for src in self._sources:
-            if src is not None:
-                src.poll()
-        time.sleep(0.005)
-        self._wait_s += time.perf_counter() - t0
+        for k, src in enumerate(self._sources):
+            try:
+                if src is not None:
+                    src.poll()
+            except NodeLost as e:
+                self._drop(k, str(e))
+        if pause:
+            time.sleep(pause)
+            self._wait_s += time.perf_counter() - t0
 
     def _counts(self) -> np.ndarray:
         """``[node, (size, committed, split weight)]``; zeros for dropped nodes."""
@@ -239,13 +245,19 @@ class ClusterSampler:
 
     # -- the queue -----------------------------------------------------------------------------------
     def _fill_queue(self, deadline: float, wait: float) -> None:
-        """Fill the batch with rows as they come, taking nodes in turn."""
+        """Fill the batch with rows as they come, taking nodes in turn. A node lost on the way
+        is dropped where it is found: the rows already in the batch stay (each row once)."""
         filled, n = 0, len(self._sources)
         while filled < self.batch_size:
             got = 0
             for k in [(self._turn + j) % n for j in range(n)]:
-                chunk = None if self._sources[k] is None or filled == self.batch_size \
-                    else self._chunk(k, 0.0)
+                if self._sources[k] is None or filled == self.batch_size:
+                    continue
+                try:
+                    chunk = self._chunk(k, 0.0)
+                except NodeLost as e:
+                    self._drop(k, str(e))
+                    continue
                 if chunk is not None and chunk.offset < chunk.rows:
                     m = self._out.copy_rows(chunk, np.arange(filled, self.batch_size),
                                             self.batch_size - filled)
@@ -299,22 +311,9 @@ class ClusterSampler:
 
     # -- reporting -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Batches/s, rows per node, node counts, learner wait, remote calls, host restarts."""
-        elapsed = max(time.monotonic() - self._started, 1e-9)
-        counts = self._counts()
-        wait = self._wait_s + sum(s.blocked_s for s in self._sources if s is not None)
-        nodes = [{"node_id": node, "local": src is not None and not src.remote,
-                  "dropped": src is None, "size": int(c[0]), "committed": int(c[1]),
-                  "weight": float(c[2]), "rows_sampled": int(r),
-                  "calls": getattr(src, "calls", 0), "bytes_received": getattr(src, "bytes", 0),
-                  "host_restarts": getattr(src, "restarts", 0)}
-                 for node, src, c, r in zip(self.node_ids, self._sources, counts, self.rows_from)]
-        return {"batches": self.batches, "batches_per_s": self.batches / elapsed,
-                "learner_wait_s": wait, "learner_next_s": self._next_s,
-                "learner_wait_per_batch_s": wait / max(self.batches, 1),
-                "nodes": nodes, "dropped": list(self.dropped), "elapsed_s": elapsed,
-                "priority_updates_sent": self._priorities.sent,
-                "queue_gaps": self._queue.gaps, "queue_repeats": self._queue.repeats}
+        """Batches/s, rows per node, node counts, learner wait, remote calls, host restarts
+        (from what the nodes last reported: no remote call)."""
+        return _stats(self)
 
     # -- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -339,6 +338,24 @@ class ClusterSampler:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _stats(s: ClusterSampler) -> dict[str, Any]:
+    """``ClusterSampler.stats()``."""
+    elapsed = max(time.monotonic() - s._started, 1e-9)
+    wait = s._wait_s + sum(src.blocked_s for src in s._sources if src is not None)
+    nodes = [{"node_id": node, "local": src is not None and not src.remote,
+              "dropped": src is None, "size": int(c[0]), "committed": int(c[1]),
+              "weight": float(c[2]), "rows_sampled": int(r),
+              "calls": getattr(src, "calls", 0), "bytes_received": getattr(src, "bytes", 0),
+              "host_restarts": getattr(src, "restarts", 0)}
+             for node, src, c, r in zip(s.node_ids, s._sources, s._counts(), s.rows_from)]
+    return {"batches": s.batches, "batches_per_s": s.batches / elapsed,
+            "learner_wait_s": wait, "learner_next_s": s._next_s,
+            "learner_wait_per_batch_s": wait / max(s.batches, 1),
+            "nodes": nodes, "dropped": list(s.dropped), "elapsed_s": elapsed,
+            "priority_updates_sent": s._priorities.sent,
+            "queue_gaps": s._queue.gaps, "queue_repeats": s._queue.repeats}
 
 
 def _settings(spec: Any, batch_size: int, sampler: str, rows_per_call: int | None,

@@ -1,6 +1,7 @@
 """Supervision shared by ``SamplerPool`` and ``ActorGroup``: one set of child processes, each with
 its own ``Channel``, whose parent-side ends are closed in every forked child, restarted within a
-per-minute budget, and whose exits are described in words.
+per-minute budget, and whose exits are described in words. Also the one check that no process is
+started while a child re-runs the main module (``refuse_main_reimport``).
 """
 
 from __future__ import annotations
@@ -9,9 +10,15 @@ import collections
 import os
 import select
 import signal
+import sys
 import time
 import weakref
+from types import FrameType
 from typing import Any, Callable, Generic, TypeVar
+
+from shmbuf.errors import ShmbufError
+from shmbuf.scan import scan
+from shmbuf.shmdir import unlink
 
 from .channel import OP_STOP, Channel
 
@@ -119,6 +126,74 @@ def _close_parent_only_in_child() -> None:
 os.register_at_fork(after_in_child=_close_parent_only_in_child)
 
 
+# -- the main module re-run by a child ----------------------------------------------------------
+class MainModuleReimportError(ShmbufError, RuntimeError):
+    """Processes were to be started while a child process re-ran the main module as
+    ``__mp_main__`` (the spawn and forkserver start methods import the main script in every
+    process they start): the script lacks ``if __name__ == "__main__":``."""
+
+
+# What a ChildSet's name starts, in the user's words.
+_STARTERS = {"shmbuf-sampler": "SamplerPool(n_workers > 0)", "shmbuf-actor": "ActorGroup"}
+_CHILD_MAIN = "__mp_main__"  # the main module's name while a spawned (or forkserver) child runs it
+
+
+def _bootstrapping() -> bool:
+    """True while multiprocessing starts this process (the spawn and forkserver bootstraps set
+    the flag while they import the main module, and clear it before the target runs)."""
+    for name in ("multiprocess", "multiprocessing"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module.current_process(), "_inheriting", False):
+            return True
+    return False
+
+
+def _importing_main() -> str | None:
+    """The file of the main module if this process is re-running it for a child's start (a
+    calling frame is that module's top level, named ``__mp_main__``, or multiprocessing says
+    this process is still bootstrapping); None otherwise. A function of ``__mp_main__`` called
+    after the start (an actor's, a worker's target) is not a re-run."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == _CHILD_MAIN:
+            return str(frame.f_globals.get("__file__", frame.f_code.co_filename))
+        frame = frame.f_back
+    if _bootstrapping():
+        main = sys.modules.get(_CHILD_MAIN)
+        return str(getattr(main, "__file__", None) or "the main module")
+    return None
+
+
+def _unlink_segments_of_this_process() -> None:
+    """A child failing its start: unlink the segments it created, all in its re-run of the main
+    script (it has run nothing else yet). A forkserver child ends with ``os._exit`` after the
+    error, which skips the owner cleanup that a normal exit runs."""
+    pid = os.getpid()
+    for info in scan():
+        if info.header is not None and info.header.owner_pid == pid:
+            unlink(info.name)
+
+
+def refuse_main_reimport(what: str) -> None:
+    """Raise ``MainModuleReimportError`` if this process is re-running the main module for a
+    child's start: ``what`` (a pool, an actor group, a cluster) would start processes, or a
+    second Ray cluster, from inside that child, once per child, instead of the program.
+
+    Called before ``what`` starts or creates anything. In a child still being started, the
+    segments its re-run of the script created are unlinked first: the child dies of the error.
+    """
+    main = _importing_main()
+    if main is not None:
+        if _bootstrapping():
+            _unlink_segments_of_this_process()
+        raise MainModuleReimportError(
+            f"{what} was created while {main} runs as {_CHILD_MAIN!r} in process {os.getpid()}: "
+            f"the spawn and forkserver start methods re-run the main script in every process "
+            f"they start, so its top-level code would start processes again from inside the "
+            f"child. Fix: put the code that starts processes under "
+            f"`if __name__ == \"__main__\":` in {main}")
+
+
 class Child:
     """The parent's record of one supervised child; its ``child_id`` survives restarts."""
 
@@ -151,6 +226,9 @@ ChildT = TypeVar("ChildT", bound=Child)
 class ChildSet(Generic[ChildT]):
     """Child processes that each run ``target(sock, *args)`` with a socket of their own.
 
+    Made while the main module is re-run by a child (no ``if __name__ == "__main__":``), it
+    raises ``MainModuleReimportError`` before anything starts.
+
     ``start`` (re)starts a child; ``wait`` blocks on messages, exits and ``wake()`` at once;
     ``exited`` finds dead children without blocking; ``retire`` forgets a dead process;
     ``may_restart`` spends the per-minute budget; ``stop`` asks, then terminates, then kills.
@@ -163,6 +241,7 @@ class ChildSet(Generic[ChildT]):
 
     def __init__(self, ctx: Any, target: Callable[..., Any], name: str,
                  max_restarts_per_minute: float) -> None:
+        refuse_main_reimport(_STARTERS.get(name, f"a set of {name!r} processes"))
         self.budget = RestartBudget(max_restarts_per_minute)
         self.ctx, self.target, self.name = ctx, target, name
         self.children: list[ChildT] = []
