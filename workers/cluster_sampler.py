@@ -16,6 +16,7 @@ batch's rows sit at random positions.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 import warnings
@@ -31,12 +32,12 @@ from .cluster_batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCurso
 from .cluster_nodes import NodeLostError, NodeLostWarning
 from .cluster_rate import Report, node_report
 from .cluster_sources import Chunk, NodeLost, open_sources
-from .config import beta_schedule
+from .config import Workers, legacy_options
+from .selection import Prioritized, Queue, SelectionSpec, Uniform, selection_spec
 
 CALL_BYTES = 16 << 20  # default rows per remote call: about this many bytes,
 CALL_BATCHES = 64  # and at most this many batches' rows
 WAIT_S = 0.2  # how long a host waits for rows before answering "none yet"
-SAMPLERS = ("uniform", "prioritized", "queue")
 POLL_EVERY_S = 0.01  # how often next() takes in every node's replies and counts
 
 
@@ -46,48 +47,51 @@ class ClusterSampler:
     Args:
         cluster: the ``ReplayCluster``.
         batch_size: rows per batch.
-        sampler: "uniform" (every row held equally likely), "prioritized" (in proportion to
-            priorities: per-node sum trees, ``alpha``/``beta``/``eps`` as ``SamplerPool``,
-            ``update_priorities`` routed to each row's node) or "queue" (every row of every
-            node delivered exactly once, oldest first per lane, nodes in turn).
+        selection: ``Uniform()`` (every row held equally likely, the default),
+            ``Prioritized(alpha, beta, eps)`` (in proportion to priorities: per-node sum trees,
+            ``update_priorities`` routed to each row's node) or ``Queue()`` (every row of every
+            node delivered exactly once, oldest first per lane, nodes in turn); the names
+            "uniform", "prioritized" and "queue" are short for them.
+        limit: ``RateLimit(min_size, samples_per_insert, tolerance)`` over the whole cluster:
+            sampling waits until the cluster holds ``min_size`` rows; with a ratio, the learner
+            waits while its samples run ahead of all nodes' inserts, every node's writers while
+            the inserts run ahead (``cluster_rate.NodeLimit``).
+        workers: each node's pool's sampler processes (a number or ``Workers(...)``; 0: in the
+            host's process); its start method is "forkserver" unless given (Ray processes run
+            threads, which ``fork`` must not copy).
+        fields: buffer fields to sample (all by default).
+        seed: seeds the split and every node's pool.
+        timeout: default seconds ``next()`` waits.
+        strict: a lost node raises ``NodeLostError`` (default: dropped, ``NodeLostWarning``).
         rows_per_call: rows a remote node ships per Ray call (default: about 16 MiB of rows,
             at least one batch and at most 64; one batch for the queue); also the batch size
             of every node's pool.
         prefetch_calls: calls kept in flight per remote node.
-        workers_per_node: sampler processes of each node's pool (0: in the host's process).
-        min_size: sampling waits until the cluster holds this many rows in all.
-        samples_per_insert: ``(ratio, tolerance)`` over the whole cluster, as ``SamplerPool``'s:
-            the learner waits while its samples run ahead of all nodes' inserts, every node's
-            writers while the inserts run ahead (``cluster_rate.NodeLimit``).
-        seed: seeds the split and every node's pool.
-        timeout: default seconds ``next()`` waits.
-        strict: a lost node raises ``NodeLostError`` (default: dropped, ``NodeLostWarning``).
-        start_method: of the pools' workers ("forkserver" by default: Ray processes run
-            threads, which ``fork`` must not copy).
+
+    The keywords of earlier releases (``sampler=``, ``alpha=``, ``beta=``, ``eps=``,
+    ``min_size=``, ``samples_per_insert=``, ``workers_per_node=``, ``start_method=``) still
+    work for one release, with a ``DeprecationWarning``, as ``SamplerPool``'s do.
 
     Concurrency: this object is the learner's, used from one thread. Each node's rows come
     through one pool (local, or its host's), so the nodes' seqlocks guard every row as usual.
     """
 
-    def __init__(self, cluster: Any, batch_size: int, *, sampler: str = "uniform",
+    def __init__(self, cluster: Any, batch_size: int, *,
+                 selection: SelectionSpec | str | None = None, limit: RateLimit | None = None,
+                 workers: Workers | int | None = None, fields: list[str] | None = None,
+                 seed: int | None = None, timeout: float = 60.0, strict: bool = False,
                  rows_per_call: int | None = None, prefetch_calls: int = 3,
-                 workers_per_node: int = 1, min_size: int = 1,
-                 samples_per_insert: tuple[float, float] | None = None, seed: int | None = None,
-                 timeout: float = 60.0, strict: bool = False, start_method: str = "forkserver",
-                 fields: list[str] | None = None, alpha: float = 0.6, beta: Any = 0.4,
-                 eps: float = 1e-6, wait_s: float = WAIT_S) -> None:
+                 wait_s: float = WAIT_S, **deprecated: Any) -> None:
         self.batch_size = positive_int("batch_size", batch_size)
         self.timeout = timeout_seconds("timeout", timeout, positive=True)
-        self.min_size = positive_int("min_size", min_size)
-        self.sampler = sampler
+        spec, limit, workers = _cluster_options(deprecated, selection, limit, workers)
+        self.selection = spec
+        self.sampler = _SAMPLER_OF[type(spec)]
+        self.min_size = limit.min_size if limit is not None else 1
         self.limit, self.fields, self.rows_per_call, pool_kwargs = _settings(
-            cluster.spec, self.batch_size, sampler, rows_per_call, fields, self.min_size,
-            samples_per_insert)
-        pool_kwargs.update(n_workers=workers_per_node, start_method=start_method,
-                           timeout=self.timeout)
-        if sampler == "prioritized":  # weights are the learner's: the pools' beta is unused
-            pool_kwargs.update(alpha=alpha, eps=eps)
-        self._beta = beta_schedule(beta)
+            cluster.spec, self.batch_size, spec, rows_per_call, fields, limit)
+        pool_kwargs.update(workers=workers, timeout=self.timeout)
+        self._beta = spec.beta_at  # weights are the learner's: the pools' beta is unused
         self.strict = bool(strict)
         self._cluster = cluster
         self._rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
@@ -358,28 +362,56 @@ def _stats(s: ClusterSampler) -> dict[str, Any]:
             "queue_gaps": s._queue.gaps, "queue_repeats": s._queue.repeats}
 
 
-def _settings(spec: Any, batch_size: int, sampler: str, rows_per_call: int | None,
-              fields: list[str] | None, min_size: int,
-              samples_per_insert: tuple[float, float] | None
+_SAMPLER_OF = {Uniform: "uniform", Prioritized: "prioritized", Queue: "queue"}
+_CLUSTER_LEGACY = {"sampler", "alpha", "beta", "eps", "min_size", "samples_per_insert",
+                   "workers_per_node", "start_method"}
+
+
+def _cluster_options(given: dict[str, Any], selection: Any, limit: RateLimit | None,
+                     workers: Workers | int | None
+                     ) -> tuple[SelectionSpec, RateLimit | None, Workers]:
+    """The sampler's strategy, limit and per-node workers, from the new arguments and the
+    earlier releases' keywords (as ``SamplerPool``'s, ``legacy_options``)."""
+    unknown = sorted(set(given) - _CLUSTER_LEGACY)
+    if unknown:
+        raise TypeError(f"ClusterSampler() got an unexpected keyword argument {unknown[0]!r}")
+    legacy = dict(given)
+    if "workers_per_node" in legacy:
+        legacy["n_workers"] = legacy.pop("workers_per_node")
+    chosen = legacy_options(legacy, dict(selection=selection, limit=limit, plan=None,
+                                          workers=workers, output="numpy", device=None,
+                                          transform=None), who="ClusterSampler")
+    spec = selection_spec(chosen["selection"])
+    if type(spec) not in _SAMPLER_OF:
+        raise ValueError(f"selection={spec!r}: a cluster samples with Uniform(), "
+                         f"Prioritized(...) or Queue()")
+    workers = chosen["workers"]
+    if not isinstance(workers, Workers):  # (one per node by default, not the cores')
+        workers = Workers(1 if workers is None else workers)
+    if workers.n is None or workers.start_method is None:  # Ray's processes run threads
+        workers = dataclasses.replace(workers, n=1 if workers.n is None else workers.n,
+                                      start_method=workers.start_method or "forkserver")
+    return spec, chosen["limit"], workers
+
+
+def _settings(spec: Any, batch_size: int, selection: SelectionSpec, rows_per_call: int | None,
+              fields: list[str] | None, limit: RateLimit | None
               ) -> tuple[RateLimit | None, list[str], int, dict[str, Any]]:
-    """Checked settings: the limit, the fields, rows per call, and the pools' arguments."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    limit = None
-    if samples_per_insert is not None:
-        if sampler == "queue":
-            raise ValueError("sampler='queue' is its own rate limiter: drop samples_per_insert")
-        ratio, tol = samples_per_insert
-        limit = RateLimit(min_size, float(ratio), float(tol))
+    """Checked settings: the ratio limit (None without a ratio), the fields, rows per call, and
+    the pools' arguments."""
+    queue = isinstance(selection, Queue)
+    ratio = limit if limit is not None and limit.samples_per_insert is not None else None
+    if ratio is not None and queue:
+        raise ValueError("Queue() is its own rate limiter: pass limit=RateLimit(min_size=...) "
+                         "without samples_per_insert")
     fields = list(spec) if fields is None else list(fields)
     unknown = [f for f in fields if f not in spec]
     if unknown:
         raise ValueError(f"fields {unknown} are not in the spec ({list(spec)})")
     if rows_per_call is None:
         row_bytes = sum(spec[f].row_nbytes for f in fields)
-        rows_per_call = batch_size if sampler == "queue" else max(
+        rows_per_call = batch_size if queue else max(
             batch_size, min(CALL_BATCHES * batch_size, CALL_BYTES // max(row_bytes, 1)))
     rows_per_call = positive_int("rows_per_call", rows_per_call)
-    return limit, fields, rows_per_call, dict(batch_size=rows_per_call, sampler=sampler,
+    return ratio, fields, rows_per_call, dict(batch_size=rows_per_call, selection=selection,
                                               fields=fields)
-

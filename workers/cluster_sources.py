@@ -21,7 +21,6 @@ from shmbuf import ReplayBuffer
 from shmbuf.errors import Timeout
 from shmbuf.limiter import RateLimit
 from shmbuf.priority import PriorityTable
-from shmbuf.scan import scan
 
 from .cluster_nodes import HostRestartedWarning, call_actor, current_node_id, node_alive
 from .cluster_rate import NodeLimit, Report
@@ -31,14 +30,6 @@ _NO_ROWS = np.empty(0, np.int64)
 _NO_PRIORITIES = np.empty(0, np.float64)
 STALL_S = 20.0  # a call unanswered this long (beyond its own wait) means a host in trouble
 COUNTS_EVERY_S = 0.02  # how often a remote node's counts are asked for between its replies
-
-
-def _priority_tables(buffer_name: str) -> set[str]:
-    """Priority tables over ``buffer_name`` that this process owns."""
-    return {i.name for i in scan() if i.header is not None and i.alive
-            and i.header.owner_pid == os.getpid()
-            and isinstance(i.header.doc, dict) and i.header.doc.get("kind") == "priorities"
-            and i.header.doc.get("buffer") == buffer_name}
 
 
 class NodePool:
@@ -55,16 +46,14 @@ class NodePool:
 
     def __init__(self, buffer: ReplayBuffer | str, pool_kwargs: dict[str, Any],
                  limit: RateLimit | None = None, report: Report | None = None) -> None:
-        name = buffer if isinstance(buffer, str) else buffer.name
-        before = _priority_tables(name) if pool_kwargs.get("sampler") == "prioritized" else None
         self.pool = SamplerPool(buffer, **pool_kwargs)
         self.buffer = self.pool.buffer
         self.table: PriorityTable | None = None
         self.limit: NodeLimit | None = None
         try:
-            if before is not None:
-                (table_name,) = _priority_tables(name) - before
-                self.table = PriorityTable.attach(table_name)
+            own = self.pool._table  # (the pool's; a view of our own reads its totals)
+            if own is not None:
+                self.table = PriorityTable.attach(own.name)
             if limit is not None:
                 self.limit = NodeLimit(self.buffer, limit, report)
         except BaseException:

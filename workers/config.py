@@ -1,130 +1,245 @@
-"""``PoolConfig``: every ``SamplerPool`` argument, validated once and frozen.
+"""``SamplerPool``'s options as objects, and ``PoolConfig``: all of them validated once, frozen.
 
-Checks here need no buffer and start nothing, so a wrong argument fails at the call site before
-any process or segment exists. What depends on the buffer (the plan, the transform's outputs) is
-checked by ``SamplerPool`` right after.
+What a pool is made of, in Reverb's and TorchRL's manner: a ``selection`` strategy
+(``workers.selection``), a ``limit`` (``shmbuf.RateLimit``), a ``plan`` (``shmbuf.sampling.Plan``),
+and here ``Workers`` (the sampler processes), ``Output`` (the arrays' kind), ``Device`` (batches
+delivered on a torch device) and ``Transform`` (user code run in the workers). Each checks its
+own options when it is made; ``PoolConfig.make`` checks how they combine, with no buffer and
+before any process or segment exists, so a wrong argument fails at the call site.
+``legacy_options`` turns the keywords of earlier releases into these objects, with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import numpy as np
 
 from shmbuf.checks import positive_int, timeout_seconds
+from shmbuf.errors import ShmbufError
 from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
-from shmbuf.window_priority import R2D2_ETA, checked_eta
+
+from .selection import (
+    Counted,
+    Epoch,
+    Prioritized,
+    Queue,
+    SelectionSpec,
+    Uniform,
+    selection_spec,
+)
 
 OUTPUTS = ("numpy", "torch", "jax")
-SELECTIONS = ("uniform", "prioritized", "queue", "epoch")  # the ``sampler=`` keyword's values
+
+
+class OptionError(ShmbufError, TypeError):
+    """An option that the chosen strategy does not take (``SamplerPool(..., alpha=0.1)`` with a
+    uniform selection), or one given twice; the message names the object that takes it."""
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The sampler processes of a pool.
+
+    Args:
+        n: processes (0: sample in the learner's own process, behind the same API). Default:
+            cores - 1, between 1 and 4.
+        staging: staging slots (batches in flight), at least ``n + 1``; default ``2n + 2``.
+        start_method: "fork", "forkserver" or "spawn" (default: multiprocess's).
+        max_restarts_per_minute: restart budget for dead workers (a rate, not a total).
+        ordered: deliver batches in the order they were handed out (reproducible with a seed;
+            queues and epochs always are).
+
+    ``workers=4`` is short for ``Workers(4)``.
+    """
+
+    n: int | None = None
+    staging: int | None = None
+    start_method: str | None = None
+    max_restarts_per_minute: float = 10.0
+    ordered: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.n
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                              or not 0 <= n <= MAX_SAMPLERS):
+            raise ValueError(f"Workers(n={n!r}): n must be an int in [0, {MAX_SAMPLERS}]")
+        if self.start_method not in (None, "fork", "forkserver", "spawn"):
+            raise ValueError(f"Workers(start_method={self.start_method!r}): use 'fork', "
+                             f"'forkserver' or 'spawn'")
+        rate = self.max_restarts_per_minute
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+            raise ValueError(f"Workers(max_restarts_per_minute={rate!r}) must be >= 0")
+        count = self.count
+        staging = self.staging
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int)
+                                    or staging < max(1, count + 1)):
+            raise ValueError(
+                f"Workers(staging={staging!r}): at least n + 1 = {count + 1} slots (one per "
+                f"worker plus the one the learner holds)")
+
+    @property
+    def count(self) -> int:
+        """``n`` resolved from its default."""
+        return int(self.n) if self.n is not None else max(1, min(4, (os.cpu_count() or 2) - 1))
+
+    @property
+    def slots(self) -> int:
+        """``staging`` resolved from its default."""
+        n = self.count
+        return self.staging if self.staging is not None else (2 * n + 2 if n else 1)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the learner's batches hold: "numpy" views of the staging slot, "torch" tensors over
+    them (``torch.from_numpy``, no copy), or "jax" arrays (zero-copy DLPack imports with
+    workers, copies in-process; a slot is refilled once JAX has let go of them).
+
+    Args:
+        kind: "numpy", "torch" or "jax". ``output="torch"`` is short for ``Output("torch")``.
+        pin_memory: with "torch" and CUDA, page-lock the staging ring so host-to-device copies
+            are asynchronous; a slot is refilled only once an event recorded on the current
+            CUDA stream at its release has passed.
+    """
+
+    kind: str = "numpy"
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTPUTS:
+            raise ValueError(f"Output({self.kind!r}): the kind is 'numpy', 'torch' or 'jax'")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"Output(pin_memory={self.pin_memory!r}) must be a bool")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Batches delivered on a torch device: the pool copies each ready slot from the
+    page-locked ring on its own CUDA stream, ``prefetch`` batches ahead, and fences every copy
+    (no synchronize anywhere). ``device="cuda"`` is short for ``Device("cuda")``."""
+
+    device: Any
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        positive_int("Device(prefetch=...)", self.prefetch)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """``fn(batch: dict) -> dict`` run in the workers before staging (serialised with
+    cloudpickle here, so a lambda works under every start method). ``spec``: its outputs as
+    ``{name: (shape_without_batch, dtype)}``; by default found by calling ``fn`` once on a zero
+    batch in the learner. ``transform=fn`` is short for ``Transform(fn)``."""
+
+    fn: Callable[[dict[str, np.ndarray]], Any]
+    spec: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"transform must be callable, got {type(self.fn).__name__}")
+        _check_picklable(self.fn)  # serialised here: an unpicklable one fails at the call site
 
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The pool's settings (see ``SamplerPool`` for each argument's meaning).
-
-    Normalised: ``n_workers``/``n_staging`` resolved from their defaults, ``output`` is "torch"
-    with a ``device``, ``ordered`` is true for the queue, ``seed`` a ``SeedSequence``, ``limit``
-    the parsed ``samples_per_insert``, ``beta`` a schedule ``f(batches) -> beta``.
+    """The pool's settings, resolved: the strategy objects, and the values the delivery reads
+    (``n_workers``, ``n_staging``, ``limit`` the ratio if any, ``min_size``, ``beta(step)``...).
     """
 
     batch_size: int
-    n_workers: int
-    n_staging: int
+    selection: SelectionSpec
+    workers: Workers
     seed: np.random.SeedSequence
-    start_method: str | None
     transform: Any
     transform_spec: dict[str, Any] | None
     fields: list[str] | None
     plan: Plan
     min_size: int
-    limit: RateLimit | None
+    limit: RateLimit | None  # the ratio, if the pool has one (it then holds the limiter)
     timeout: float
     output: str
-    ordered: bool
     pin_memory: bool
-    max_restarts_per_minute: float
-    selection: str  # the ``sampler=`` keyword: how rows are chosen (``selection.py``)
-    alpha: float
-    beta: Callable[[int], float]
-    eps: float
-    max_times_sampled: int | None
     device: Any
     device_prefetch: int
-    # sampler="epoch": an epoch's rows short of a whole batch make a "short" last batch, are
-    # skipped ("drop"), or open the next epoch's first batch ("carry"): ``EpochSelection``
-    epoch_remainder: str = "drop"
-    priority_eta: float = R2D2_ETA  # prioritized sequences: eta * max + (1 - eta) * mean
+
+    # -- the values the delivery reads ---------------------------------------------------------
+    @property
+    def n_workers(self) -> int:
+        return self.workers.count
+
+    @property
+    def n_staging(self) -> int:
+        return self.workers.slots
+
+    @property
+    def start_method(self) -> str | None:
+        return self.workers.start_method
+
+    @property
+    def max_restarts_per_minute(self) -> float:
+        return self.workers.max_restarts_per_minute
+
+    @property
+    def ordered(self) -> bool:
+        return self.workers.ordered or self.selection.ordered
+
+    def beta(self, step: int) -> float:
+        """The importance-weight exponent after ``step`` batches."""
+        return self.selection.beta_at(step)
 
     @classmethod
-    def from_args(cls, *, batch_size: int, n_workers: int | None, n_staging: int | None,
-                  seed: Any, start_method: str | None, transform: Any, min_size: int,
-                  samples_per_insert: Any, timeout: float, output: str, ordered: bool,
-                  pin_memory: bool, max_restarts_per_minute: float, fields: list[str] | None,
-                  transform_spec: dict[str, Any] | None, plan: Plan | None, sampler: str,
-                  alpha: float, beta: Any, eps: float, max_times_sampled: int | None,
-                  device: Any, device_prefetch: int, plan_kwargs: dict[str, Any],
-                  drop_last: bool = True, carry_remainder: bool = False,
-                  priority_eta: float = R2D2_ETA) -> PoolConfig:
-        """Validate the constructor's arguments; raise ``ValueError``/``TypeError`` naming the
+    def make(cls, batch_size: int, *, selection: Any, limit: RateLimit | None, plan: Plan | None,
+             workers: Workers | int | None, output: Output | str, device: Device | Any,
+             transform: Transform | Any, fields: list[str] | None, seed: Any, timeout: float
+             ) -> PoolConfig:
+        """Resolve ``SamplerPool``'s arguments; raise ``ValueError``/``TypeError`` naming the
         argument, the value given and the fix."""
-        if device is not None:
-            device_prefetch = positive_int("device_prefetch", device_prefetch)
-            if output not in ("numpy", "torch"):
-                raise ValueError(f"device= delivers torch tensors; drop output={output!r}")
-            output = "torch"
-        if plan is None:
-            plan = Plan(**plan_kwargs)
-        elif plan_kwargs:
-            raise ValueError(f"pass either plan= or its options, not both ({plan_kwargs})")
         batch_size = positive_int("batch_size", batch_size)
-        if n_workers is None:
-            n_workers = max(1, min(4, (os.cpu_count() or 2) - 1))
-        if not isinstance(n_workers, int) or not 0 <= n_workers <= MAX_SAMPLERS:
-            raise ValueError(f"n_workers must be an int in [0, {MAX_SAMPLERS}], got {n_workers!r}")
-        if n_staging is None:
-            n_staging = 2 * n_workers + 2 if n_workers else 1
-        if not isinstance(n_staging, int) or n_staging < max(1, n_workers + 1):
-            raise ValueError(
-                f"n_staging must be an int >= n_workers + 1 = {n_workers + 1} (one slot per "
-                f"worker plus the one the learner holds), got {n_staging!r}"
-            )
-        if output not in OUTPUTS:
-            raise ValueError(f"output must be 'numpy', 'torch' or 'jax', got {output!r}")
-        timeout = timeout_seconds("timeout", timeout, positive=True)
-        min_size = positive_int("min_size", min_size)
-        limit = _rate_limit(samples_per_insert, min_size, batch_size)
-        if max_restarts_per_minute < 0:
-            raise ValueError(
-                f"max_restarts_per_minute must be >= 0, got {max_restarts_per_minute}")
-        if sampler not in SELECTIONS:
-            raise ValueError(f"sampler must be 'uniform', 'prioritized', 'queue' or 'epoch', got "
-                             f"{sampler!r}")
-        times = max_times_sampled
-        if times is not None and (isinstance(times, bool) or not isinstance(times, int)
-                                  or times < 1):
-            raise ValueError(f"max_times_sampled must be a positive int, got {times!r}")
-        beta_at = beta_schedule(beta)
-        remainder = epoch_remainder(drop_last, carry_remainder)
-        eta = checked_eta(priority_eta)
-        if transform is not None and not callable(transform):
-            raise TypeError(f"transform must be callable, got {type(transform).__name__}")
-        _check_picklable(transform)  # serialised here: an unpicklable one fails at the call site
+        spec = selection_spec(selection)
+        if workers is None or isinstance(workers, (int, np.integer)) \
+                and not isinstance(workers, bool):
+            workers = Workers(workers if workers is None else int(workers))
+        if not isinstance(workers, Workers):
+            raise TypeError(f"workers={workers!r}: pass a number of processes or Workers(...)")
+        out = Output(output) if isinstance(output, str) else output
+        if not isinstance(out, Output):
+            raise TypeError(f"output={output!r}: pass 'numpy', 'torch', 'jax' or Output(...)")
+        dev = device if isinstance(device, Device) or device is None else Device(device)
+        if dev is not None and out.kind == "jax":
+            raise ValueError("device= delivers torch tensors; drop output='jax'")
+        fn = transform if isinstance(transform, Transform) or transform is None \
+            else Transform(transform)
+        if limit is not None and not isinstance(limit, RateLimit):
+            raise TypeError(
+                f"limit={limit!r}: pass shmbuf.RateLimit(min_size, samples_per_insert, "
+                f"tolerance)")
+        limit = limit or RateLimit()
+        ratio = _checked_ratio(limit, batch_size)
+        if plan is None:
+            plan = Plan()
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan={plan!r}: pass shmbuf.sampling.Plan(...)")
         return cls(
-            batch_size=batch_size, n_workers=n_workers, n_staging=n_staging,
+            batch_size=batch_size, selection=spec, workers=workers,
             seed=seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed),
-            start_method=start_method, transform=transform, transform_spec=transform_spec,
-            fields=fields, plan=plan, min_size=min_size, limit=limit, timeout=timeout,
-            output=output, ordered=bool(ordered) or sampler in ("queue", "epoch"),
-            pin_memory=pin_memory,
-            max_restarts_per_minute=max_restarts_per_minute, selection=sampler, alpha=alpha,
-            beta=beta_at, eps=eps, max_times_sampled=times, device=device,
-            device_prefetch=device_prefetch, epoch_remainder=remainder, priority_eta=eta,
+            transform=fn.fn if fn is not None else None,
+            transform_spec=fn.spec if fn is not None else None,
+            fields=fields, plan=plan, min_size=int(limit.min_size), limit=ratio,
+            timeout=timeout_seconds("timeout", timeout, positive=True),
+            output="torch" if dev is not None else out.kind, pin_memory=out.pin_memory,
+            device=dev.device if dev is not None else None,
+            device_prefetch=dev.prefetch if dev is not None else 2,
         )
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:
@@ -158,60 +273,178 @@ class PoolConfig:
         return out
 
 
-def epoch_remainder(drop_last: Any, carry_remainder: Any) -> str:
-    """``EpochSelection``'s remainder mode from ``drop_last`` and ``carry_remainder``."""
-    for name, value in (("drop_last", drop_last), ("carry_remainder", carry_remainder)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
-    if carry_remainder:
-        if drop_last:
-            raise ValueError("carry_remainder=True carries an epoch's last rows into the next "
-                             "batch instead of dropping them: pass drop_last=False with it")
-        return "carry"
-    return "drop" if drop_last else "short"
+# -- the keywords of earlier releases -----------------------------------------------------------
+_WORKERS = {"n_workers": "n", "n_staging": "staging", "start_method": "start_method",
+            "max_restarts_per_minute": "max_restarts_per_minute", "ordered": "ordered"}
+_PRIORITIZED = {"alpha": "alpha", "beta": "beta", "eps": "eps", "priority_eta": "eta"}
+_EPOCH = {"drop_last": "drop_last", "carry_remainder": "carry_remainder"}
+_PLAN = {f.name for f in dataclasses.fields(Plan)}
+_OTHERS = {"sampler", "max_times_sampled", "min_size", "samples_per_insert", "pin_memory",
+           "device_prefetch", "transform_spec"}
+LEGACY_KEYWORDS = frozenset({*_WORKERS, *_PRIORITIZED, *_EPOCH, *_PLAN, *_OTHERS})
 
 
-def _rate_limit(samples_per_insert: Any, min_size: int, batch_size: int) -> RateLimit | None:
-    if samples_per_insert is None:
-        return None
+def legacy_options(given: dict[str, Any], new: dict[str, Any], who: str = "SamplerPool"
+                   ) -> dict[str, Any]:
+    """The arguments ``new`` (``selection``, ``limit``, ``plan``, ``workers``, ``output``,
+    ``device``, ``transform``, as passed) with the earlier releases' keywords ``given`` turned
+    into the objects that now hold them, and a ``DeprecationWarning`` that shows the new form.
+
+    Raises:
+        TypeError: a keyword no release took.
+        OptionError: an option the chosen strategy does not take (``alpha=`` with a uniform
+            selection, ``drop_last=`` without epochs), or one given in both forms.
+    """
+    if not given:
+        return new
+    unknown = sorted(set(given) - LEGACY_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+    old = sorted(given)
+    given, new = dict(given), dict(new)
+
+    def taking(names: dict[str, str] | set[str]) -> dict[str, Any]:
+        return {(names[k] if isinstance(names, dict) else k): given.pop(k)
+                for k in list(given) if k in names}
+
+    def setting(key: str, value: Any, olds: list[str]) -> None:
+        if new[key] is not None:
+            raise OptionError(f"{key}= was given beside {', '.join(olds)}=, which now go into "
+                              f"it: pass {key}={_short(value)} (holding them) only")
+        new[key] = value
+        shown[key] = value
+
+    shown: dict[str, Any] = {}
+    workers = taking(_WORKERS)
+    if workers:
+        setting("workers", Workers(**workers), [k for k in _WORKERS if k in old])
+        if set(workers) == {"n"}:
+            shown["workers"] = workers["n"]
+    prioritized, epoch = taking(_PRIORITIZED), taking(_EPOCH)
+    sampler, k = given.pop("sampler", None), given.pop("max_times_sampled", None)
+    if sampler is not None or prioritized or epoch or k is not None:
+        setting("selection", _legacy_selection(sampler, prioritized, epoch, k), ["sampler"])
+    limit = taking({"min_size", "samples_per_insert"})
+    if limit:
+        setting("limit", _legacy_limit(limit), list(limit))
+    pin = given.pop("pin_memory", None)
+    if pin is not None:
+        kind = new["output"] if isinstance(new["output"], str) else "numpy"
+        new["output"] = shown["output"] = Output(kind, pin_memory=pin)
+    prefetch = given.pop("device_prefetch", None)
+    if prefetch is not None:
+        if new["device"] is None:
+            raise OptionError("device_prefetch= needs a device: pass device=Device('cuda', "
+                              f"prefetch={prefetch!r})")
+        new["device"] = shown["device"] = Device(new["device"], prefetch)
+    spec = given.pop("transform_spec", None)
+    if spec is not None:
+        if new["transform"] is None:
+            raise OptionError("transform_spec= describes a transform's outputs: pass "
+                              "transform=Transform(fn, spec=...)")
+        new["transform"] = shown["transform"] = Transform(new["transform"], spec)
+    plan = taking(_PLAN)
+    if plan:
+        if new["plan"] is not None:
+            raise ValueError(f"pass either plan= or its options, not both ({plan})")
+        new["plan"] = shown["plan"] = Plan(**plan)
+    spelled = ", ".join(f"{key}={_short(value)}" for key, value in shown.items())
+    first = "cluster" if who == "ClusterSampler" else "buffer"
+    warnings.warn(
+        f"{who}({', '.join(k + '=' for k in old)}) is deprecated and goes in the next "
+        f"release: write {who}({first}, batch_size, {spelled}) (Workers, Output, Device "
+        f"and Transform from workers.config; strategies from workers.selection; RateLimit "
+        f"from shmbuf; Plan from shmbuf.sampling)", DeprecationWarning,
+        stacklevel=3 if who == "SamplerPool" else 4)
+    return new
+
+
+def _short(value: Any) -> str:
+    """``value`` as it would be written: a dataclass with only its fields that differ from
+    their defaults (``Prioritized(alpha=0.3)``, ``Workers(n=0)``)."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return "fn" if callable(value) else repr(value)
+    parts = []
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING
+                   else object())
+        if f.init and v != default:
+            parts.append(f"{f.name}={_short(v)}")
+    return f"{type(value).__name__}({', '.join(parts)})"
+
+
+def _legacy_selection(sampler: Any, prioritized: dict[str, Any], epoch: dict[str, Any],
+                      k: Any) -> SelectionSpec:
+    """The strategy of ``sampler=`` with its options (``alpha``..., ``drop_last``...,
+    ``max_times_sampled``), refusing options the strategy does not take."""
+    name = "uniform" if sampler is None else sampler
+    if name not in ("uniform", "prioritized", "queue", "epoch"):
+        raise ValueError(f"sampler must be 'uniform', 'prioritized', 'queue' or 'epoch', got "
+                         f"{sampler!r}")
+    if prioritized and name != "prioritized":
+        opts = ", ".join(f"{key}={v!r}" for key, v in prioritized.items())
+        olds = ", ".join(k for k, v in _PRIORITIZED.items() if v in prioritized)
+        raise OptionError(f"{olds} belong to prioritized sampling, not sampler={name!r}: pass "
+                          f"selection=Prioritized({opts}), or drop them")
+    if epoch and name != "epoch":
+        opts = ", ".join(f"{key}={v!r}" for key, v in epoch.items())
+        raise OptionError(f"{', '.join(epoch)} belong to epochs, not sampler={name!r}: pass "
+                          f"selection=Epoch({opts}), or drop them")
+    if name == "epoch":
+        if k is not None:
+            raise ValueError(f"sampler='epoch' delivers each transition once per epoch; drop "
+                             f"max_times_sampled={k}")
+        return Epoch(**epoch)
+    if name == "queue":
+        if k not in (None, 1):
+            raise ValueError("sampler='queue' delivers each transition exactly once; drop "
+                             f"max_times_sampled={k}")
+        return Queue()
+    of: Uniform | Prioritized = Prioritized(**prioritized) if name == "prioritized" else Uniform()
+    return of if k is None else Counted(k, of)
+
+
+def _legacy_limit(given: dict[str, Any]) -> RateLimit:
+    """``min_size`` and ``samples_per_insert=(ratio, tolerance)`` as a ``RateLimit``."""
+    min_size = positive_int("min_size", given.get("min_size", 1))
+    spi = given.get("samples_per_insert")
+    if spi is None:
+        return RateLimit(min_size)
     try:
-        ratio, tolerance = samples_per_insert
+        ratio, tolerance = spi
         ratio, tolerance = float(ratio), float(tolerance)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"samples_per_insert must be (ratio, tolerance), e.g. (8.0, 1024), got "
-            f"{samples_per_insert!r}"
-        ) from None
-    if tolerance < batch_size:
-        raise ValueError(
-            f"samples_per_insert tolerance {tolerance:g} is smaller than batch_size "
-            f"{batch_size}: samplers could never take a whole batch. Fix: a tolerance of at "
-            f"least a few batches, e.g. ({ratio:g}, {4 * batch_size})"
-        )
-    if tolerance < ratio:
-        raise ValueError(
-            f"samples_per_insert tolerance {tolerance:g} is smaller than samples_per_insert "
-            f"{ratio:g}: one insert moves the balance by {ratio:g} samples, so writers and "
-            f"samplers could end up waiting for each other (Reverb refuses this too). Fix: a "
-            f"tolerance of at least the ratio, e.g. ({ratio:g}, {max(ratio, 4 * batch_size):g})"
-        )
+        raise ValueError(f"samples_per_insert must be (ratio, tolerance), e.g. (8.0, 1024), got "
+                         f"{spi!r}") from None
     return RateLimit(min_size, ratio, tolerance)
 
 
 def beta_schedule(beta: Any) -> Callable[[int], float]:
-    """beta as a function of batches delivered: a number, (start, end, n) linear, a callable."""
-    if callable(beta):
-        return beta
-    if isinstance(beta, (tuple, list)):
-        start, end, n_batches = beta
-        if n_batches <= 0:
-            raise ValueError(
-                f"beta schedule (start, end, n_batches) needs n_batches > 0, got {n_batches}")
-        return lambda step: start + (end - start) * min(1.0, step / n_batches)
-    constant = float(beta)
-    if not 0 <= constant <= 1:
-        raise ValueError(f"beta must be in [0, 1] (or a schedule), got {beta!r}")
-    return lambda step: constant
+    """beta as a function of batches delivered (``Prioritized.beta``'s forms)."""
+    return Prioritized(beta=beta).beta_at
+
+
+def _checked_ratio(limit: RateLimit, batch_size: int) -> RateLimit | None:
+    """The pool's ratio limit (None without one), refused where samplers or writers could
+    end up waiting for each other."""
+    ratio, tolerance = limit.samples_per_insert, limit.tolerance
+    if ratio is None:
+        return None
+    if tolerance < batch_size:
+        raise ValueError(
+            f"RateLimit tolerance {tolerance:g} is smaller than batch_size {batch_size}: "
+            f"samplers could never take a whole batch. Fix: a tolerance of at least a few "
+            f"batches, e.g. RateLimit({limit.min_size}, {ratio:g}, {4 * batch_size})")
+    if tolerance < ratio:
+        raise ValueError(
+            f"RateLimit tolerance {tolerance:g} is smaller than samples_per_insert {ratio:g}: "
+            f"one insert moves the balance by {ratio:g} samples, so writers and samplers could "
+            f"end up waiting for each other (Reverb refuses this too). Fix: a tolerance of at "
+            f"least the ratio, e.g. RateLimit({limit.min_size}, {ratio:g}, "
+            f"{max(ratio, 4 * batch_size):g})")
+    return limit
 
 
 def callable_name(fn: Any) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 from shmbuf import ReplayBuffer
 from shmbuf.checks import timeout_seconds
 from shmbuf.errors import BufferInUseError, ClosedError, ShmbufError
+from shmbuf.limiter import RateLimit
 from shmbuf.priority import PriorityTable
 from shmbuf.reclaim import Reclaimed, remove_dead_segments, serves_buffer
 from shmbuf.sampling.plan import Plan
@@ -26,19 +27,13 @@ from shmbuf.segment import Lease
 from shmbuf.window_priority import WindowPriorityTable
 
 from .batch import Batch
-from .config import PoolConfig
+from .config import Device, Output, PoolConfig, Transform, Workers, legacy_options
 from .delivery import Delivery, PoolParts, device_backend
 from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
 from .device import Backend
 from .epochs import EpochIteration
-from .selection import (
-    Selection,
-    UniformSelection,
-    open_selection,
-    selection_kind,
-    table_to_adopt,
-)
+from .selection import Selection, SelectionSpec, UniformSelection
 from .supervise import forget, parent_only
 
 _SECONDS = (float, int)  # timeouts that need no more than a range check
@@ -50,52 +45,39 @@ class SamplerPool(EpochIteration):
     Args:
         buffer: a ``ReplayBuffer`` or the name of one.
         batch_size: rows per batch.
-        n_workers: sampler processes; 0 samples in this process behind the same API.
-        n_staging: staging slots (batches in flight); at least ``n_workers + 1``.
-        seed: seeds one RNG stream per worker (``SeedSequence(seed).spawn``).
-        start_method: "fork", "forkserver" or "spawn" (default: multiprocess's default).
-        transform: ``f(batch: dict) -> dict`` applied in the worker before staging; serialised
-            with cloudpickle here, so a lambda works under every start method.
-        transform_spec: the transform's output as ``{name: (shape_without_batch, dtype)}``; by
-            default it is inferred by calling ``transform`` once on a zero batch here.
+        selection: which rows a batch holds (``workers.selection``): ``Uniform()`` (the
+            default), ``Prioritized(alpha, beta, eps, eta)`` (``batch.weights`` holds the
+            importance weights; ``update_priorities`` sets new priorities), ``Counted(k, of)``
+            (each row at most ``k`` times), ``Queue()`` (each row exactly once, oldest first,
+            writers waiting while it is full) or ``Epoch(drop_last, carry_remainder)`` (every
+            row once per epoch: ``epoch()``); the names "uniform", "prioritized", "queue" and
+            "epoch" are short for their defaults.
+        limit: ``shmbuf.RateLimit(min_size, samples_per_insert, tolerance)``: sampling waits
+            until ``min_size`` rows were inserted; with a ratio, samplers wait when they run
+            ahead and writers' ``add``/``extend`` wait when actors do (Reverb's
+            SampleToInsertRatio).
+        plan: episode-aware batches (``shmbuf.sampling.Plan``: sequences, frame stacks,
+            n-step returns).
+        workers: sampler processes, a number or ``Workers(n, staging, start_method,
+            max_restarts_per_minute, ordered)``; 0 samples in this process behind the same API.
+        output: "numpy" (views), "torch" (``torch.from_numpy`` views, no copy), "jax", or
+            ``Output(kind, pin_memory=...)`` (see ``workers.config.Output``).
+        device: deliver batches on this torch device ("cuda", "cuda:1", "cpu") or
+            ``Device(device, prefetch)``: each ready slot is copied from the page-locked ring on
+            the pool's own CUDA stream, and goes back to the workers once that copy completed
+            (an event, no synchronize). Fields and ``weights`` are device tensors the learner's
+            current stream waits for; ``indices`` and ``lanes`` stay on the host. A device batch
+            is valid until the next one is taken, as a host batch is.
+        transform: ``f(batch: dict) -> dict`` applied in the workers before staging, or
+            ``Transform(f, spec)``; serialised here with cloudpickle (a lambda works).
         fields: buffer fields to sample (all by default).
-        min_size: sampling waits until the buffer holds this many transitions.
-        samples_per_insert: ``(ratio, tolerance)``, Reverb's SampleToInsertRatio: samplers wait
-            when they run ahead, and writers' ``add``/``extend`` wait when actors do.
+        seed: seeds one RNG stream per worker (``SeedSequence(seed).spawn``).
         timeout: default seconds ``next()`` waits before raising ``Timeout``.
-        output: "numpy" (views), "torch" (``torch.from_numpy`` views, no copy) or "jax"
-            (zero-copy DLPack imports with workers, copies in-process). A slot is refilled only
-            once JAX has let go of its arrays: the learner dropped them and every computation
-            dispatched on them (``jax.device_put`` included) has completed, so async dispatch
-            needs no ``block_until_ready``; arrays kept past the next batch stay valid and keep
-            their slot out of the ring until dropped.
-        ordered: deliver batches in fixed round-robin worker order (reproducible with a seed).
-        pin_memory: with output="torch" and CUDA, page-lock the staging ring so host-to-device
-            copies are asynchronous. A slot is then refilled only after an event recorded on the
-            current CUDA stream at its release has passed, so ``batch["obs"].to("cuda",
-            non_blocking=True)`` on the current stream is safe without a synchronize; copies
-            issued on other streams are the caller's to synchronize (or use ``batch.to()``).
-        device: deliver batches on this torch device ("cuda", "cuda:1", or "cpu"): the pool
-            copies each ready slot from the page-locked ring on its own CUDA stream, and the
-            slot goes back to the workers only once that copy has completed (an event, no
-            synchronize). Fields and ``weights`` arrive as device tensors that the learner's
-            current stream is made to wait for; ``indices`` and ``lanes`` stay on the host
-            (for ``update_priorities``). Device buffers are recycled only after the learner's
-            stream has passed its release point. Like host batches, a device batch is valid
-            until the next one is taken.
-        device_prefetch: batches copied to the device ahead of the learner (with ``device``).
-        max_restarts_per_minute: restart budget for dead workers (a rate, not a total).
-        sampler: "uniform"; "prioritized" (proportional to priorities from a sum tree in
-            shared memory, ``alpha``/``beta``/``eps``; ``batch.weights`` holds the importance
-            weights; ``update_priorities`` sets new ones); or "queue" (every transition
-            delivered exactly once, oldest first, writers waiting while the queue is full); or
-            "epoch" (every transition or plan start once per epoch: ``EpochIteration``).
-        alpha, eps: priorities are stored as ``(p + eps) ** alpha``. priority_eta: sequences'
-            ``[B, T]`` priorities become ``eta * max + (1 - eta) * mean`` per window (R2D2).
-        beta: importance-weight exponent: a number, ``(start, end, n_batches)`` for a linear
-            schedule over the batches delivered, or a callable ``f(batches) -> beta``.
-        max_times_sampled: retire a transition after it was delivered this many times.
-        plan / sequence_length / frame_stack / n_step / ...: episode-aware batches (``Plan``).
+
+    The keywords of earlier releases (``n_workers=``, ``sampler=``, ``alpha=``,
+    ``min_size=``, ``samples_per_insert=``, ``sequence_length=``...) still work for one release:
+    they build these objects, with a ``DeprecationWarning`` that shows the new form; an option
+    the chosen strategy does not take is an ``OptionError``.
 
     Concurrency: the learner (this process) owns the staging segment and assigns each slot to
     one worker at a time; the worker writes the slot and then announces it; only then does the
@@ -104,57 +86,45 @@ class SamplerPool(EpochIteration):
     themselves when the learner dies.
 
     Example:
-        >>> with SamplerPool(buf, batch_size=256, n_workers=2, seed=0) as pool:
+        >>> with SamplerPool(buf, 256, selection=Prioritized(alpha=0.6), workers=2,
+        ...                  limit=RateLimit(min_size=1000), seed=0) as pool:
         ...     for batch in pool:
-        ...         loss = train_step(batch["obs"], batch["action"])
+        ...         loss = train_step(batch["obs"], batch["action"], batch.weights)
     """
 
     def __init__(
         self,
         buffer: ReplayBuffer | str,
         batch_size: int,
-        n_workers: int | None = None,
-        n_staging: int | None = None,
-        seed: int | np.random.SeedSequence | None = None,
-        start_method: str | None = None,
-        transform: Any = None,
-        min_size: int = 1,
-        samples_per_insert: tuple[float, float] | None = None,
-        timeout: float = 60.0,
-        output: str = "numpy",
-        ordered: bool = False,
-        pin_memory: bool = False,
-        max_restarts_per_minute: float = 10.0,
-        fields: list[str] | None = None,
-        transform_spec: dict[str, Any] | None = None,
+        *,
+        selection: SelectionSpec | str | None = None,
+        limit: RateLimit | None = None,
         plan: Plan | None = None,
-        sampler: str = "uniform",
-        alpha: float = 0.6, beta: Any = 0.4, eps: float = 1e-6,
-        max_times_sampled: int | None = None,
-        device: Any = None,
-        device_prefetch: int = 2, drop_last: bool = True, carry_remainder: bool = False,
-        priority_eta: float = 0.9,
-        **plan_kwargs: Any,
+        workers: Workers | int | None = None,
+        output: Output | str = "numpy",
+        device: Device | Any = None,
+        transform: Transform | Any = None,
+        fields: list[str] | None = None,
+        seed: int | np.random.SeedSequence | None = None,
+        timeout: float = 60.0,
+        **deprecated: Any,
     ) -> None:
         self._closed = True  # until construction succeeds
-        self._own_buffer = not isinstance(buffer, ReplayBuffer)
-        self._buf = buffer if isinstance(buffer, ReplayBuffer) else ReplayBuffer.attach(buffer)
+        self._own_buffer = False
         self._delivery: Delivery | None = None
         self._pending: Batch | None = None
         self._reclaimed = Reclaimed()
         self._selection: Selection = UniformSelection()
+        chosen = legacy_options(deprecated, dict(
+            selection=selection, limit=limit, plan=plan, workers=workers, output=output,
+            device=device, transform=transform))
+        # (all arguments checked before the buffer is attached or anything else is made)
+        cfg = self._config = PoolConfig.make(batch_size, fields=fields, seed=seed,
+                                             timeout=timeout, **chosen)
+        self._own_buffer = not isinstance(buffer, ReplayBuffer)
+        self._buf = buffer if isinstance(buffer, ReplayBuffer) else ReplayBuffer.attach(buffer)
         self._limit = LimiterHold(self._buf)  # the rate limiter's lock, if the pool takes it
         try:
-            cfg = self._config = PoolConfig.from_args(
-                batch_size=batch_size, n_workers=n_workers, n_staging=n_staging, seed=seed,
-                start_method=start_method, transform=transform, min_size=min_size,
-                samples_per_insert=samples_per_insert, timeout=timeout, output=output,
-                ordered=ordered, pin_memory=pin_memory, fields=fields,
-                max_restarts_per_minute=max_restarts_per_minute, transform_spec=transform_spec,
-                plan=plan, sampler=sampler, alpha=alpha, beta=beta, eps=eps,
-                max_times_sampled=max_times_sampled, device=device, device_prefetch=device_prefetch,
-                plan_kwargs=plan_kwargs, drop_last=drop_last, carry_remainder=carry_remainder,
-                priority_eta=priority_eta)
             self.batch_size, self.n_workers, self.n_staging = (
                 cfg.batch_size, cfg.n_workers, cfg.n_staging)
             self.output, self.timeout, self.ordered, self.min_size = (
@@ -171,17 +141,18 @@ class SamplerPool(EpochIteration):
         ctx = multiprocess.get_context(cfg.start_method)
         self.start_method = ctx.get_start_method()
         compiled = buf.compile(cfg.plan, cfg.fields)
-        kind = selection_kind(cfg, compiled)
-        if cfg.limit is not None or kind.rate_limits:
+        spec = cfg.selection
+        spec.check(compiled, cfg.limit)
+        if cfg.limit is not None or spec.paces_writers:
             self._limit.take(cfg)
         # What earlier pools on this buffer left when their learner died (staging rings,
         # priority tables), removed before this pool sizes its own; a dead prioritized
-        # learner's table that fits this pool is adopted instead (``open_selection``).
-        adopt = table_to_adopt(kind, buf, cfg, compiled)
+        # learner's table that fits this pool is adopted instead (``spec.open``).
+        adopt = spec.table_to_adopt(buf, compiled)
         self._reclaimed = remove_dead_segments(
             lambda info: serves_buffer(info, buf.name)
             and (info.header is None or info.header.doc != adopt))
-        self._selection = open_selection(kind, buf, cfg, compiled)
+        self._selection = spec.open(buf, compiled)
         parts = PoolParts(buf, cfg, compiled, cfg.output_arrays(compiled), self._selection,
                           backend)
         delivery = self._delivery = (RingDelivery(parts, ctx) if cfg.n_workers
