@@ -120,6 +120,11 @@ class PriorityTable:
         memory = segment.buf
         if memory is None:
             raise ClosedError(f"priority table {segment.name!r} is closed")
+        if offsets.total != segment.header.total_size:
+            raise SegmentFormatError(
+                f"priority table {segment.name!r} is {segment.header.total_size} bytes, but "
+                f"its layout ({self.lanes} lanes of {self.capacity}) needs {offsets.total}: "
+                f"truncated or tampered")
         nodes, lanes = offsets.width, self.lanes
         self.sums = np.frombuffer(memory, "<f8", lanes * nodes, offsets.sums).reshape(lanes, nodes)
         self.mins = np.frombuffer(memory, "<f8", lanes * nodes, offsets.mins).reshape(lanes, nodes)

@@ -300,6 +300,37 @@ SHAPED_KINDS = ["buffer spec", "buffer episode_spec", "staging arrays"]
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity", [8, 512, 1024])
+def test_a_priority_table_smaller_than_its_layout_is_a_format_error(capacity):
+    """A priority table whose header size is smaller than its trees need (a capacity tampered
+    to one that still passes the header's own bound, capacity x lanes bytes) is refused as a
+    SegmentFormatError naming it, not an untyped ValueError from a view; a sane one of the same
+    document attaches (the control: capacity 8 at its true size)."""
+    from shmbuf.priority import PriorityTable, _table_layout
+
+    doc = {"kind": "priorities", "buffer": "shmbuf-x", "lanes": 1, "capacity": capacity,
+           "alpha": 0.6, "eps": 1e-6, "final_rows": False, "counted": False, "plan": None}
+    payload = L.encode_layout(doc)
+    true_size = _table_layout(1, capacity, len(payload), False).total
+    name = _name("prio-size")
+    tampered = capacity != 8
+    _write(name, _segment_bytes(doc=doc, kind=L.KIND_PRIORITY,
+                                size=L.header_size(len(payload)) + L.PAGE if tampered
+                                else true_size))
+    try:
+        if tampered:
+            with pytest.raises(shmbuf.SegmentFormatError,
+                               match=f"priority table {name!r}.*needs {true_size}"):
+                PriorityTable.attach(name)
+        else:
+            table = PriorityTable.attach(name)
+            assert table.capacity == 8
+            table.close()
+    finally:
+        _remove(name)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", SHAPED_KINDS)
 def test_the_shaped_segment_builder_makes_segments_that_attach(where):
     """Control for the overflow test below: the same documents with a sane shape attach."""

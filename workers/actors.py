@@ -26,7 +26,7 @@ from shmbuf.checks import timeout_seconds
 from shmbuf.errors import ActorError, ClosedError
 
 from .channel import OP_DONE, OP_ERROR, Channel, ChildEnd
-from .supervise import Child, ChildSet
+from .supervise import Child, ChildSet, refuse_main_reimport
 
 RESTART_POLICIES = ("on-failure", "never")
 STOP_CHECK_EVERY = 0.01  # seconds between pipe polls in ctx.stopping
@@ -147,6 +147,7 @@ class ActorGroup:
                  lane_timeout: float = 10.0) -> None:
         if not callable(actor_fn):
             raise TypeError(f"actor_fn must be callable, got {type(actor_fn).__name__}")
+        refuse_main_reimport("ActorGroup")  # before the buffer is attached: nothing to undo
         if isinstance(n_actors, bool) or not isinstance(n_actors, int) or n_actors < 1:
             raise ValueError(f"n_actors must be a positive int, got {n_actors!r}")
         if restart not in RESTART_POLICIES:
