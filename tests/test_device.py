@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from tests import pool_procs as procs
-from workers import SamplerPool
+from workers import SamplerPool, delivery_pinned
 from workers import delivery as delivery_mod
 from workers import device as device_mod
-from workers.delivery_ring import RingDelivery
+from workers.config import Device, Output, Workers
 from workers.device import DeviceStage, DeviceUnavailableError, SlotFences
 
 torch = pytest.importorskip("torch")
@@ -266,8 +266,8 @@ def test_device_stage_waits_for_the_learner_before_reusing_a_buffer(fake):
 # --------------------------------------------------------------------------------------------
 def _run_device_pool(buf, be, start_method: str, batches: int, n_workers: int = 2) -> int:
     bad: list[int] = []
-    with SamplerPool(buf, batch_size=B, n_workers=n_workers, start_method=start_method,
-                     seed=0, device="fake", device_prefetch=2) as pool:
+    with SamplerPool(buf, B, workers=Workers(n_workers, start_method=start_method), seed=0,
+                     device=Device("fake", prefetch=2)) as pool:
         for _ in range(batches):
             batch = pool.next(timeout=30)
             arrays = {k: batch[k] for k in batch}
@@ -315,7 +315,7 @@ def test_device_pool_in_process_mode(buf, fake):
 
 def _run_batch_to(buf, be, start_method: str, batches: int) -> int:
     bad: list[int] = []
-    with SamplerPool(buf, batch_size=B, n_workers=2, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(2, start_method=start_method), seed=0,
                      output="torch") as pool:
         for _ in range(batches):
             batch = pool.next(timeout=30)
@@ -357,16 +357,15 @@ def test_pinned_release_fences_the_users_own_async_copy(buf, fake, monkeypatch):
         class cuda:  # noqa: N801 (mirrors torch.cuda)
             cudart = staticmethod(lambda: _Cudart())
 
-    def fake_pin(self, torch_mod):
-        if self.ring is not None:
-            self.pinned = (_Torch, 0)
+    def fake_lock(torch_mod, span):  # page-locks the staging ring (shared memory) only
+        return (_Torch, 0) if span is not None else None
 
-    monkeypatch.setattr(RingDelivery, "pin", fake_pin)
+    monkeypatch.setattr(delivery_pinned, "page_lock", fake_lock)
 
     def run() -> int:
         bad: list[int] = []
-        with SamplerPool(buf, batch_size=B, n_workers=4, seed=0, output="torch",
-                         pin_memory=True, start_method="fork") as pool:
+        with SamplerPool(buf, B, workers=Workers(4, start_method="fork"), seed=0,
+                         output=Output("torch", pin_memory=True)) as pool:
             for _ in range(120):
                 batch = pool.next(timeout=30)
                 mine = {k: be.copy_now(batch[k]) for k in procs.FIELDS}  # the user's own copies
@@ -389,8 +388,8 @@ def test_device_batch_shape_and_priority_updates(fake):
     ``update_priorities`` takes them (and tensors) as they are."""
     be = fake("copy")
     with procs.new_buffer(capacity=64, lanes=2) as buf:
-        with SamplerPool(buf, batch_size=B, n_workers=1, seed=0, device="fake",
-                         sampler="prioritized", start_method="fork") as pool:
+        with SamplerPool(buf, B, workers=Workers(1, start_method="fork"), seed=0,
+                         device="fake", selection="prioritized") as pool:
             batch = pool.next(timeout=30)
             assert isinstance(batch.indices, torch.Tensor) and batch.indices.device.type == "cpu"
             assert isinstance(batch["obs"], np.ndarray)  # the fake device's arrays
@@ -406,7 +405,7 @@ def test_device_batch_shape_and_priority_updates(fake):
 # Real torch devices available in CI: "cpu", and a clear error for "cuda" without CUDA
 # --------------------------------------------------------------------------------------------
 def test_device_cpu_delivers_owned_tensors(buf, start_method):
-    with SamplerPool(buf, batch_size=B, n_workers=2, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(2, start_method=start_method), seed=0,
                      device="cpu") as pool:
         for _ in range(30):
             batch = pool.next(timeout=30)
@@ -425,7 +424,7 @@ def test_device_cuda_without_cuda_fails_at_construction(buf):
 
     before = {s.name for s in scan()}
     with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):
-        SamplerPool(buf, batch_size=B, n_workers=2, device="cuda")
+        SamplerPool(buf, B, workers=2, device="cuda")
     assert {s.name for s in scan()} == before  # no staging ring, no worker started
 
 
@@ -438,6 +437,6 @@ def test_device_argument_errors(device, match):
 
 
 def test_batch_to_needs_torch_output(buf):
-    with SamplerPool(buf, batch_size=B, n_workers=0, seed=0) as pool:
+    with SamplerPool(buf, B, workers=0, seed=0) as pool:
         with pytest.raises(TypeError, match="output='torch'"):
             pool.next(timeout=5).to("cpu")

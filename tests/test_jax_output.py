@@ -16,6 +16,7 @@ import pytest
 
 import shmbuf
 from workers import SamplerPool
+from workers.config import Workers
 from workers.device import SlotFences
 
 jax = pytest.importorskip("jax")
@@ -56,8 +57,8 @@ def _bad_rows(frame, index, after):
 def test_jax_arrays_are_zero_copy_views_that_keep_their_slot(buf):
     """Arrays are zero-copy views; one the learner keeps past ``next()`` stays valid (its slot is
     not refilled while it lives) and its slot returns to the ring once it is dropped."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=3, seed=0, output="jax",
-                     start_method="forkserver") as pool:
+    with SamplerPool(buf, B, workers=Workers(1, staging=3, start_method="forkserver"), seed=0,
+                     output="jax") as pool:
         batch = pool.next(timeout=30)
         frame, index, slot = batch["frame"], batch["index"], batch.slot
         assert isinstance(frame, jax.Array)
@@ -73,8 +74,8 @@ def test_jax_arrays_are_zero_copy_views_that_keep_their_slot(buf):
 
 
 def test_a_learner_that_keeps_every_batch_gets_a_timeout_that_says_so(buf):
-    with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=2, seed=0, output="jax",
-                     start_method="forkserver") as pool:
+    with SamplerPool(buf, B, workers=Workers(1, staging=2, start_method="forkserver"), seed=0,
+                     output="jax") as pool:
         kept = [pool.next(timeout=30)["frame"]]
         kept.append(pool.next(timeout=30)["frame"])
         with pytest.raises(shmbuf.Timeout, match="arrays of earlier batches"):
@@ -108,8 +109,8 @@ def _run(buf, start_method: str) -> int:
     the computation completes)."""
     _GO.clear()
     result: dict[str, int] = {}
-    with SamplerPool(buf, batch_size=B, n_workers=2, n_staging=3, seed=0, output="jax",
-                     start_method=start_method) as pool:
+    with SamplerPool(buf, B, workers=Workers(2, staging=3, start_method=start_method), seed=0,
+                     output="jax") as pool:
         batch = pool.next(timeout=30)
         frame, index = batch["frame"], batch["index"]
         # Dispatched from a thread: were JAX to run it inline, only that thread waits.
@@ -137,8 +138,7 @@ def test_control_without_the_fence_rows_are_corrupt(buf, monkeypatch):
 
 
 def test_jax_in_process_and_priority_updates(buf):
-    with SamplerPool(buf, batch_size=B, n_workers=0, seed=0, output="jax",
-                     sampler="prioritized") as pool:
+    with SamplerPool(buf, B, workers=0, seed=0, output="jax", selection="prioritized") as pool:
         results = []
         for k in range(20):
             batch = pool.next(timeout=30)
@@ -153,8 +153,8 @@ def test_prioritized_with_x64_indices_do_not_hold_their_slots(buf):
     fenced (it raised Timeout after n_staging batches, and close() leaked the ring)."""
     jax.config.update("jax_enable_x64", True)
     try:
-        with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=3, seed=0, output="jax",
-                         sampler="prioritized", start_method="forkserver") as pool:
+        with SamplerPool(buf, B, workers=Workers(1, staging=3, start_method="forkserver"),
+                         seed=0, output="jax", selection="prioritized") as pool:
             for _ in range(12):
                 batch = pool.next(timeout=10)
                 assert batch.indices.dtype == jnp.int64
@@ -170,8 +170,8 @@ def test_ordered_delivery_keeps_its_order_when_slots_come_back_late(buf):
     delivers the same rows whether or not the learner keeps arrays for a while."""
     def run(keep: bool) -> list[list[int]]:
         seen, kept = [], []
-        with SamplerPool(buf, batch_size=B, n_workers=2, seed=7, ordered=True, output="jax",
-                         start_method="forkserver") as pool:
+        with SamplerPool(buf, B, workers=Workers(2, start_method="forkserver", ordered=True),
+                         seed=7, output="jax") as pool:
             for k in range(14):
                 batch = pool.next(timeout=30)
                 seen.append(np.asarray(batch["index"]).tolist())

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf import RateLimit
 from shmbuf.scan import scan
 from tests import pool_procs as procs
 from workers import Batch, SamplerPool
+from workers.config import Transform, Workers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +41,7 @@ def _our_segments() -> set[str]:
 def test_batches_hold_the_rows_they_claim(buf, start_method):
     """Shapes and dtypes follow the spec; every delivered row is whole and is the (lane, index)
     that ``batch.lanes`` / ``batch.indices`` name; both lanes are drawn from; weights are ones."""
-    with SamplerPool(buf, batch_size=B, n_workers=2, start_method=start_method, seed=0) as pool:
+    with SamplerPool(buf, B, workers=Workers(2, start_method=start_method), seed=0) as pool:
         assert pool.start_method == start_method
         lanes_seen = set()
         for _ in range(40):
@@ -63,7 +65,7 @@ def test_batches_hold_the_rows_they_claim(buf, start_method):
 
 def test_iteration_and_next_timeout(buf, start_method):
     """The pool is an iterator (``for batch in pool``) beside ``next(timeout=...)``."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method, seed=0) as pool:
+    with SamplerPool(buf, B, workers=Workers(1, start_method=start_method), seed=0) as pool:
         assert iter(pool) is pool
         n = 0
         for batch in itertools.islice(pool, 10):
@@ -77,7 +79,7 @@ def test_iteration_and_next_timeout(buf, start_method):
 def test_batch_is_released_by_the_next_batch_and_by_release(buf, start_method):
     """A Batch is valid until the next one is taken or ``release()``: after that every method
     raises ClosedError, ``copy()`` taken before survives, and the slot goes back to the ring."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=2, start_method=start_method,
+    with SamplerPool(buf, B, workers=Workers(1, staging=2, start_method=start_method),
                      seed=0) as pool:
         first = pool.next(timeout=30)
         kept = first.copy()
@@ -114,7 +116,7 @@ def test_batch_is_released_by_the_next_batch_and_by_release(buf, start_method):
 def test_more_staging_slots_than_a_posix_message_queue_holds(buf, start_method):
     """24 staging slots (Linux's default POSIX mqueue limit is 10 messages): more than 10 batches
     sit ready at once, every slot is used, every row checks."""
-    with SamplerPool(buf, batch_size=4, n_workers=2, n_staging=24, start_method=start_method,
+    with SamplerPool(buf, 4, workers=Workers(2, staging=24, start_method=start_method),
                      seed=0) as pool:
         assert pool.n_staging == 24
         batch = pool.next(timeout=30)
@@ -139,7 +141,7 @@ def test_more_staging_slots_than_a_posix_message_queue_holds(buf, start_method):
 
 def test_fields_subset(buf, start_method):
     """``fields=`` gathers only those fields; they still hold the rows the batch names."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(1, start_method=start_method), seed=0,
                      fields=["index", "lane", "payload"]) as pool:
         batch = pool.next(timeout=30)
         assert list(batch) == ["index", "lane", "payload"]
@@ -156,7 +158,7 @@ def test_in_process_mode_has_the_same_api(buf):
     """``n_workers=0`` samples in this process behind the same API: no process, no staging
     segment, the same Batch life cycle, stats, a Timeout naming min_size."""
     before = _our_segments()
-    with SamplerPool(buf, batch_size=B, n_workers=0, seed=0) as pool:
+    with SamplerPool(buf, B, workers=0, seed=0) as pool:
         assert pool.worker_pids == [] and pool.staging_name is None
         assert _our_segments() == before  # no staging ring
         first = pool.next(timeout=5)
@@ -170,21 +172,20 @@ def test_in_process_mode_has_the_same_api(buf):
         assert not procs.bad_rows(kept, kept["lanes"], kept["indices"]).any()
         assert pool.stats()["batches"] == 21
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=16) as empty:
-        with SamplerPool(empty, batch_size=4, n_workers=0, min_size=3) as pool:
+        with SamplerPool(empty, 4, workers=0, limit=RateLimit(3)) as pool:
             with pytest.raises(shmbuf.Timeout, match="min_size=3"):
                 pool.next(timeout=0.2)
 
 
 def test_in_process_mode_transform_and_fields(buf):
     """In-process mode applies the transform and the field subset like the workers do."""
-    with SamplerPool(buf, batch_size=B, n_workers=0, seed=0,
-                     transform=procs.double_index) as pool:
+    with SamplerPool(buf, B, workers=0, seed=0, transform=procs.double_index) as pool:
         batch = pool.next(timeout=5)
         assert list(batch) == ["lane", "index", "twice", "grid"]
         assert (batch["index"] == batch.indices).all() and (batch["lane"] == batch.lanes).all()
         assert (batch["twice"] == 2.0 * batch.indices).all()
         assert batch["grid"].shape == (B, 2, 2) and batch["grid"].dtype == np.uint8
-    with SamplerPool(buf, batch_size=B, n_workers=0, fields=["lane", "index", "obs"]) as pool:
+    with SamplerPool(buf, B, workers=0, fields=["lane", "index", "obs"]) as pool:
         batch = pool.next(timeout=5)
         assert list(batch) == ["lane", "index", "obs"]
         procs.assert_batch_ok(batch, B)
@@ -200,7 +201,7 @@ def test_torch_output_is_a_view_of_the_staging_slot(buf, start_method):
     torch = pytest.importorskip("torch")
     from workers.staging import StagingRing
 
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(1, start_method=start_method), seed=0,
                      output="torch") as pool:
         batch = pool.next(timeout=30)
         assert isinstance(batch["obs"], torch.Tensor) and isinstance(batch.indices, torch.Tensor)
@@ -231,7 +232,7 @@ def test_torch_output_in_process():
     """``output="torch"`` with ``n_workers=0`` gives tensors too."""
     torch = pytest.importorskip("torch")
     with procs.new_buffer(capacity=64, lanes=1) as buf:
-        with SamplerPool(buf, batch_size=8, n_workers=0, output="torch", seed=0) as pool:
+        with SamplerPool(buf, 8, workers=0, output="torch", seed=0) as pool:
             batch = pool.next(timeout=5)
             assert isinstance(batch["payload"], torch.Tensor)
             bad = procs.bad_rows({k: batch[k].numpy() for k in batch}, batch.lanes.numpy(),
@@ -244,32 +245,32 @@ def test_torch_output_in_process():
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, match",
-    [
-        ({"batch_size": 0}, r"batch_size must be a positive int, got 0"),
-        ({"batch_size": -3}, r"batch_size must be a positive int, got -3"),
-        ({"batch_size": True}, r"batch_size must be a positive int, got True"),
-        ({"batch_size": 2.5}, r"batch_size must be a positive int, got 2.5"),
-        ({"n_workers": -1}, r"n_workers must be an int in \[0, 64\], got -1"),
-        ({"n_workers": 65}, r"n_workers must be an int in \[0, 64\], got 65"),
-        ({"n_workers": 1.5}, r"n_workers .* got 1.5"),
-        ({"n_workers": 2, "n_staging": 2},
-         r"n_staging must be an int >= n_workers \+ 1 = 3.*got 2"),
-        ({"n_workers": 0, "n_staging": 0},
-         r"n_staging must be an int >= n_workers \+ 1 = 1.*got 0"),
-        ({"output": "tensorflow"}, r"output must be 'numpy', 'torch' or 'jax', got 'tensorflow'"),
-        ({"timeout": 0}, r"timeout must be > 0 seconds, got 0"),
-        ({"timeout": -1}, r"timeout must be > 0 seconds, got -1"),
-        ({"timeout": float("nan")}, r"timeout must be > 0 seconds, got nan"),
-        ({"timeout": "soon"}, r"timeout must be a number of seconds, got 'soon'"),
-        ({"min_size": 0}, r"min_size must be a positive int, got 0"),
-        ({"samples_per_insert": 4.0}, r"samples_per_insert must be \(ratio, tolerance\).*got 4.0"),
-        ({"samples_per_insert": (4.0, 8, 1)}, r"samples_per_insert must be \(ratio, tolerance\)"),
-        ({"samples_per_insert": (4.0, 2)}, r"tolerance 2 is smaller than batch_size 4"),
-        ({"samples_per_insert": (0.0, 64)}, r"ratio must be finite and > 0, got 0.0"),
-        ({"samples_per_insert": (-1.0, 64)}, r"ratio must be finite and > 0, got -1.0"),
-        ({"fields": ["obs", "nope"]}, r"unknown field\(s\) \['nope'\]"),
-        ({"max_restarts_per_minute": -1}, r"max_restarts_per_minute must be >= 0, got -1"),
-        ({"start_method": "telepathy"}, r"telepathy"),
+    [  # (lambdas: an option object refuses bad input when it is made, inside the test)
+        (lambda: {"batch_size": 0}, r"batch_size must be a positive int, got 0"),
+        (lambda: {"batch_size": -3}, r"batch_size must be a positive int, got -3"),
+        (lambda: {"batch_size": True}, r"batch_size must be a positive int, got True"),
+        (lambda: {"batch_size": 2.5}, r"batch_size must be a positive int, got 2.5"),
+        (lambda: {"workers": Workers(-1)}, r"Workers\(n=-1\): n must be an int in \[0, 64\]"),
+        (lambda: {"workers": Workers(65)}, r"Workers\(n=65\): n must be an int in \[0, 64\]"),
+        (lambda: {"workers": Workers(1.5)}, r"Workers\(n=1.5\)"),
+        (lambda: {"workers": Workers(2, staging=2)},
+         r"Workers\(staging=2\): at least n \+ 1 = 3 slots"),
+        (lambda: {"workers": Workers(0, staging=0)},
+         r"Workers\(staging=0\): at least n \+ 1 = 1 slots"),
+        (lambda: {"output": "tensorflow"},
+         r"Output\('tensorflow'\): the kind is 'numpy', 'torch' or 'jax'"),
+        (lambda: {"timeout": 0}, r"timeout must be > 0 seconds, got 0"),
+        (lambda: {"timeout": -1}, r"timeout must be > 0 seconds, got -1"),
+        (lambda: {"timeout": float("nan")}, r"timeout must be > 0 seconds, got nan"),
+        (lambda: {"timeout": "soon"}, r"timeout must be a number of seconds, got 'soon'"),
+        (lambda: {"limit": RateLimit(0)}, r"min_size must be >= 1, got 0"),
+        (lambda: {"limit": RateLimit(1, 4.0, 2)}, r"tolerance 2 is smaller than batch_size 4"),
+        (lambda: {"limit": RateLimit(1, 0.0, 64)}, r"ratio must be finite and > 0, got 0.0"),
+        (lambda: {"limit": RateLimit(1, -1.0, 64)}, r"ratio must be finite and > 0, got -1.0"),
+        (lambda: {"fields": ["obs", "nope"]}, r"unknown field\(s\) \['nope'\]"),
+        (lambda: {"workers": Workers(1, max_restarts_per_minute=-1)},
+         r"Workers\(max_restarts_per_minute=-1\) must be >= 0"),
+        (lambda: {"workers": Workers(1, start_method="telepathy")}, r"telepathy"),
     ],
 )
 def test_bad_arguments_raise_clear_value_errors(buf, kwargs, match):
@@ -277,17 +278,16 @@ def test_bad_arguments_raise_clear_value_errors(buf, kwargs, match):
     left behind: no segment, no process."""
     import multiprocess
 
-    args = {"batch_size": 4, "n_workers": 1, **kwargs}
     before = _our_segments()
     with pytest.raises(ValueError, match=match):
-        SamplerPool(buf, **args)
+        SamplerPool(buf, **{"batch_size": 4, "workers": 1, **kwargs()})
     assert _our_segments() == before
     assert multiprocess.active_children() == []
     assert not buf.closed  # the caller's buffer is untouched
 
 
 def test_bad_next_timeout(buf):
-    with SamplerPool(buf, batch_size=4, n_workers=0) as pool:
+    with SamplerPool(buf, 4, workers=0) as pool:
         for bad in (0, -1, float("nan"), "x"):
             with pytest.raises(ValueError, match="timeout"):
                 pool.next(timeout=bad)
@@ -298,9 +298,9 @@ def test_unknown_buffer_name_and_closed_pool():
     """A name that is not a buffer raises SegmentNotFoundError; a closed pool raises
     ClosedError from next() and iteration; close() is idempotent."""
     with pytest.raises(shmbuf.SegmentNotFoundError):
-        SamplerPool("shmbuf-no-such-buffer", batch_size=4, n_workers=1)
+        SamplerPool("shmbuf-no-such-buffer", 4, workers=1)
     with procs.new_buffer(capacity=32, lanes=1) as buf:
-        pool = SamplerPool(buf.name, batch_size=4, n_workers=1, start_method="fork")
+        pool = SamplerPool(buf.name, 4, workers=Workers(1, start_method="fork"))
         procs.assert_batch_ok(pool.next(timeout=30), 4)
         pool.close()
         pool.close()
@@ -318,7 +318,7 @@ def test_lambda_transform(buf, start_method):
     """A lambda (pickled by value with cloudpickle) runs in every worker under every start
     method; it may capture local values."""
     offset = 1000
-    with SamplerPool(buf, batch_size=B, n_workers=2, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(2, start_method=start_method), seed=0,
                      transform=lambda b: dict(b, index=b["index"] + offset)) as pool:
         for _ in range(5):
             batch = pool.next(timeout=30)
@@ -329,7 +329,7 @@ def test_lambda_transform(buf, start_method):
 
 def test_transform_output_may_differ_from_the_buffer(buf, start_method):
     """Output fields, shapes and dtypes come from the transform (inferred by a dry run)."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(1, start_method=start_method), seed=0,
                      transform=procs.double_index) as pool:
         batch = pool.next(timeout=30)
         assert list(batch) == ["lane", "index", "twice", "grid"]
@@ -342,7 +342,7 @@ def test_transform_output_may_differ_from_the_buffer(buf, start_method):
 
 def test_transform_editing_in_place_and_returning_none(buf, start_method):
     """A transform may edit the batch in place and return None."""
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method, seed=0,
+    with SamplerPool(buf, B, workers=Workers(1, start_method=start_method), seed=0,
                      transform=procs.negate_obs_in_place) as pool:
         batch = pool.next(timeout=30)
         assert list(batch) == procs.FIELDS
@@ -353,7 +353,7 @@ def test_transform_editing_in_place_and_returning_none(buf, start_method):
 def test_transform_changing_its_output_shape_is_reported(buf):
     """A transform whose output shape differs from its dry run's fails in the worker with a
     WorkerError that says shapes must stay fixed."""
-    with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork",
+    with SamplerPool(buf, 8, workers=Workers(1, start_method="fork"),
                      transform=procs.ShrinkInWorker()) as pool:
         with pytest.raises(shmbuf.WorkerError, match="must keep shapes and dtypes fixed"):
             pool.next(timeout=30)
@@ -365,7 +365,7 @@ def test_a_forked_child_cannot_use_the_parents_pool(buf):
     import multiprocess
 
     ctx = multiprocess.get_context("fork")
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork") as pool:
+    with SamplerPool(buf, 4, workers=Workers(1, start_method="fork")) as pool:
         procs.assert_batch_ok(pool.next(timeout=30), 4)
         q = ctx.Queue()
 
@@ -396,8 +396,8 @@ def test_transform_spec_skips_the_dry_run(buf):
         calls.append(1)
         return {"index": b["index"]}
 
-    with SamplerPool(buf, batch_size=B, n_workers=1, start_method="fork", transform=transform,
-                     transform_spec={"index": ((), "int64")}) as pool:
+    with SamplerPool(buf, B, workers=Workers(1, start_method="fork"),
+                     transform=Transform(transform, {"index": ((), "int64")})) as pool:
         assert calls == []
         batch = pool.next(timeout=30)
         assert list(batch) == ["index"] and (batch["index"] == batch.indices).all()
@@ -416,12 +416,11 @@ def test_unpicklable_transform_fails_in_the_constructor(buf):
 
     before = _our_segments()
     with pytest.raises(TypeError, match=r"guarded_transform.*cannot be serialised.*lock"):
-        SamplerPool(buf, batch_size=4, n_workers=2, start_method="spawn",
-                    transform=guarded_transform)
+        SamplerPool(buf, 4, workers=Workers(2, start_method="spawn"), transform=guarded_transform)
     assert _our_segments() == before
     assert multiprocess.active_children() == []
     with pytest.raises(TypeError, match="transform must be callable"):
-        SamplerPool(buf, batch_size=4, n_workers=1, transform=42)
+        SamplerPool(buf, 4, workers=1, transform=42)
 
 
 def test_transform_that_fails_its_dry_run(buf):
@@ -431,16 +430,16 @@ def test_transform_that_fails_its_dry_run(buf):
         return {"x": batch["no_such_field"]}
 
     with pytest.raises(TypeError, match=r"broken failed on a zero-filled example batch"):
-        SamplerPool(buf, batch_size=4, n_workers=1, transform=broken)
+        SamplerPool(buf, 4, workers=1, transform=broken)
     with pytest.raises(TypeError, match=r"returned 'x' with shape \(\)"):
-        SamplerPool(buf, batch_size=4, n_workers=1, transform=lambda b: {"x": 1.0})
+        SamplerPool(buf, 4, workers=1, transform=lambda b: {"x": 1.0})
 
 
 def test_transform_raising_in_the_worker_surfaces_as_worker_error(buf, start_method):
     """An exception in the transform comes back from ``next()`` as WorkerError carrying the
     worker's traceback, promptly."""
     t0 = time.monotonic()
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method=start_method,
+    with SamplerPool(buf, 4, workers=Workers(1, start_method=start_method),
                      transform=procs.RaiseInWorker("transform-exploded-42")) as pool:
         with pytest.raises(shmbuf.WorkerError) as info:
             pool.next(timeout=30)
@@ -456,8 +455,8 @@ def test_transform_raising_in_the_worker_surfaces_as_worker_error(buf, start_met
 # Reproducibility
 # --------------------------------------------------------------------------------------------
 def _index_sequence(buf, start_method, seed, n_workers=2, batches=12):
-    with SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method,
-                     seed=seed, ordered=True) as pool:
+    with SamplerPool(buf, 8, workers=Workers(n_workers, start_method=start_method, ordered=True),
+                     seed=seed) as pool:
         out = []
         for _ in range(batches):
             batch = pool.next(timeout=30)

@@ -19,10 +19,12 @@ import multiprocess
 import pytest
 
 import shmbuf
+from shmbuf import RateLimit
 from shmbuf.scan import scan
 from shmbuf.shmdir import unlink
 from tests import pool_procs as procs
 from workers import ActorGroup, SamplerPool
+from workers.config import Workers
 from workers.staging import FILLING, W_GENERATION, W_OWNER, W_STATE
 
 pytestmark = pytest.mark.timeout(90)
@@ -67,8 +69,9 @@ def test_worker_killed_mid_fill_is_replaced_and_learner_goes_on(buf, start_metho
     (restart counted, slot reclaimed), the learner keeps getting whole batches, and the killed
     worker's half-filled slot is never delivered before it was filled again."""
     kills = 3
-    with SamplerPool(buf, batch_size=8, n_workers=2, n_staging=4, start_method=start_method,
-                     seed=0, transform=procs.Sleep(0.02), max_restarts_per_minute=60) as pool:
+    with SamplerPool(buf, 8, workers=Workers(2, staging=4, start_method=start_method,
+                                             max_restarts_per_minute=60),
+                     seed=0, transform=procs.Sleep(0.02)) as pool:
         ring = pool._delivery.ring
         procs.assert_batch_ok(pool.next(timeout=30), 8)
         delivered = 1
@@ -120,9 +123,9 @@ def test_worker_dying_halfway_through_copying_a_slot_is_never_delivered(buf, sta
     """Workers that SIGKILL themselves halfway through copying a batch into their staging slot
     (the slot's first fields new, the rest stale) again and again: the learner only ever sees
     whole batches and the pool keeps going."""
-    with SamplerPool(buf, batch_size=8, n_workers=2, n_staging=6, start_method=start_method,
-                     seed=0, transform=procs.DieMidCopy(every=3),
-                     max_restarts_per_minute=1000) as pool:
+    with SamplerPool(buf, 8, workers=Workers(2, staging=6, start_method=start_method,
+                                             max_restarts_per_minute=1000),
+                     seed=0, transform=procs.DieMidCopy(every=3)) as pool:
         deadline = time.monotonic() + 40
         n = 0
         while pool.stats()["restarts"] < 4 or n < 30:
@@ -138,8 +141,9 @@ def test_worker_that_always_dies_exhausts_the_budget(buf, start_method):
     """A worker killed by SIGKILL on every batch: after the budget (2 restarts a minute),
     ``next()`` raises WorkerDiedError naming the pid and the signal, long before its timeout."""
     t0 = time.monotonic()
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method=start_method,
-                     transform=procs.DieInWorker("sigkill"), max_restarts_per_minute=2) as pool:
+    with SamplerPool(buf, 4,
+                     workers=Workers(1, start_method=start_method, max_restarts_per_minute=2),
+                     transform=procs.DieInWorker("sigkill")) as pool:
         first = pool.worker_pids[0]
         with pytest.raises(shmbuf.WorkerDiedError) as info:
             pool.next(timeout=60)
@@ -160,8 +164,8 @@ def test_worker_that_always_dies_exhausts_the_budget(buf, start_method):
                                         ("sigkill", "killed by SIGKILL")])
 def test_zero_restart_budget_reports_the_first_death(buf, how, words):
     """With ``max_restarts_per_minute=0`` the first death is reported, with its exit status."""
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork",
-                     transform=procs.DieInWorker(how), max_restarts_per_minute=0) as pool:
+    with SamplerPool(buf, 4, workers=Workers(1, start_method="fork", max_restarts_per_minute=0),
+                     transform=procs.DieInWorker(how)) as pool:
         pid = pool.worker_pids[0]
         t0 = time.monotonic()
         with pytest.raises(shmbuf.WorkerDiedError, match=f"pid {pid}\\) {words}"):
@@ -173,8 +177,9 @@ def test_worker_that_dies_on_start_up_is_reported_at_once(buf, start_method):
     """A worker that dies before it is set up (here: unpickling its transform exits the process)
     is not restarted in a loop: the second start-up death is reported."""
     t0 = time.monotonic()
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method=start_method,
-                     transform=procs.ExitOnUnpickle(7), max_restarts_per_minute=100) as pool:
+    with SamplerPool(buf, 4,
+                     workers=Workers(1, start_method=start_method, max_restarts_per_minute=100),
+                     transform=procs.ExitOnUnpickle(7)) as pool:
         with pytest.raises(shmbuf.WorkerDiedError, match=r"exited with code 7 during start-up"):
             pool.next(timeout=60)
     assert time.monotonic() - t0 < 15
@@ -247,7 +252,7 @@ def test_children_hold_no_parent_side_channel_end(buf, start_method):
     """No worker or actor keeps the learner's end of any channel open (a forked child inherits
     every descriptor): otherwise a dead learner is never seen as end-of-file and children
     only notice it by polling, if at all."""
-    with SamplerPool(buf, batch_size=4, n_workers=2, start_method=start_method) as pool, \
+    with SamplerPool(buf, 4, workers=Workers(2, start_method=start_method)) as pool, \
          ActorGroup(functools.partial(procs.lane_writer, chunk=1, pause=0.01), 2, buf,
                     start_method=start_method) as group:
         # Wait until every child runs its own code (at-fork hooks done): each worker has
@@ -279,8 +284,8 @@ def test_actor_killed_mid_extend_while_the_pool_samples(start_method):
     try:
         with ActorGroup(actor, 2, buf, start_method=start_method, seed=0,
                         max_restarts_per_minute=60) as group, \
-             SamplerPool(buf, batch_size=32, n_workers=2, start_method=start_method, seed=0,
-                         min_size=400) as pool:
+             SamplerPool(buf, 32, workers=Workers(2, start_method=start_method),
+                         limit=RateLimit(400), seed=0) as pool:
             checked = 0
 
             def sample(n: int) -> None:
@@ -339,8 +344,8 @@ def test_next_on_an_empty_buffer_times_out_naming_min_size(n_workers, start_meth
     if n_workers == 0 and start_method != "fork":
         pytest.skip("in-process mode starts no process")
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=32) as empty:
-        with SamplerPool(empty, batch_size=4, n_workers=n_workers, start_method=start_method,
-                         min_size=10) as pool:
+        with SamplerPool(empty, 4, workers=Workers(n_workers, start_method=start_method),
+                         limit=RateLimit(10)) as pool:
             t0 = time.monotonic()
             with pytest.raises(shmbuf.Timeout, match=r"holds 0 of min_size=10") as info:
                 pool.next(timeout=0.5)
@@ -353,7 +358,7 @@ def test_next_on_an_empty_buffer_times_out_naming_min_size(n_workers, start_meth
 def test_stalled_pool_times_out(buf, start_method):
     """Workers that are alive but produce nothing (a transform stuck for seconds): ``next``
     raises Timeout saying no worker has a batch ready; ``close`` still ends them promptly."""
-    with SamplerPool(buf, batch_size=4, n_workers=1, start_method=start_method,
+    with SamplerPool(buf, 4, workers=Workers(1, start_method=start_method),
                      transform=procs.Sleep(30)) as pool:
         t0 = time.monotonic()
         with pytest.raises(shmbuf.Timeout, match=r"1 of 1 workers alive, none has a batch ready"):
@@ -377,7 +382,7 @@ def test_close_from_another_thread_wakes_next(n_workers, delay, start_method):
     if n_workers == 0 and start_method != "fork":
         pytest.skip("in-process mode starts no process")
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=32) as empty:
-        pool = SamplerPool(empty, batch_size=4, n_workers=n_workers, start_method=start_method)
+        pool = SamplerPool(empty, 4, workers=Workers(n_workers, start_method=start_method))
         outcome: list[BaseException | str] = []
         entered = threading.Event()
 
@@ -411,7 +416,7 @@ def test_close_from_another_thread_while_next_is_busy(n_workers, rounds):
     outcomes: dict[str, int] = {}
     with procs.new_buffer(capacity=64, lanes=1) as buf:
         for _ in range(rounds):
-            pool = SamplerPool(buf, batch_size=4, n_workers=n_workers, start_method="fork")
+            pool = SamplerPool(buf, 4, workers=Workers(n_workers, start_method="fork"))
             out: list[BaseException] = []
 
             def learner() -> None:
@@ -458,7 +463,7 @@ def test_close_landing_inside_the_learners_wait_raises_closed_error():
     its wait. ``next()`` raises ClosedError (not an OSError from a closed descriptor) and
     restarts no worker for the exits it then sees."""
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=32) as empty:
-        pool = SamplerPool(empty, batch_size=4, n_workers=2, start_method="fork")
+        pool = SamplerPool(empty, 4, workers=Workers(2, start_method="fork"))
         pool._delivery.children.poller = _ClosingPoller(pool)
         with pytest.raises(shmbuf.ClosedError):
             pool.next(timeout=5)
@@ -471,7 +476,7 @@ def test_close_landing_inside_the_learners_wait_raises_closed_error():
 def test_pool_close_leaves_no_segment_even_with_views_held(buf, start_method):
     """Arrays taken out of a Batch keep the staging memory mapped after close, but its name is
     gone from /dev/shm at once (a ResourceWarning says why the memory is still mapped)."""
-    pool = SamplerPool(buf, batch_size=4, n_workers=1, start_method=start_method)
+    pool = SamplerPool(buf, 4, workers=Workers(1, start_method=start_method))
     name = pool.staging_name
     held = pool.next(timeout=30)["payload"]
     with pytest.warns(ResourceWarning, match="still view"):

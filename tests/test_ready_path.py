@@ -28,7 +28,8 @@ import pytest
 
 from shmbuf.errors import ClosedError
 from tests import pool_procs as procs
-from workers import SamplerPool, delivery_ring
+from workers import SamplerPool, delivery_ring, learner_ring, selection
+from workers.config import Workers
 from workers.staging import FILLING, HELD, LEARNER, READY, StagingRing, slot_arrays
 
 pytestmark = pytest.mark.timeout(90)
@@ -108,12 +109,12 @@ N_STAGING = 6
 
 @pytest.fixture(params=["compiled", "python"])
 def taker(request, monkeypatch):
-    """``take_ready``'s steps compiled (``workers._take_c``, skipped where it was not built), or
+    """``LearnerRing.take`` compiled (``workers._take_c``, skipped where it was not built), or
     in Python, as where no compiler was at hand."""
-    if request.param == "compiled" and delivery_ring.Taker is None:
+    if request.param == "compiled" and learner_ring.Taker is None:
         pytest.skip("workers._take_c was not built")
     if request.param == "python":
-        monkeypatch.setattr(delivery_ring, "Taker", None)
+        monkeypatch.setattr(learner_ring, "Taker", None)
     return request.param
 
 
@@ -122,8 +123,8 @@ def pool(buf, start_method, taker, monkeypatch):
     """One slow worker (50 ms per batch) and ``N_STAGING`` slots; the periodic death check
     (a poll every ``CHECK_EVERY_NS`` while batches keep coming) moved out of the way."""
     monkeypatch.setattr(delivery_ring, "CHECK_EVERY_NS", 3600 * 10**9)
-    with SamplerPool(buf, batch_size=8, n_workers=1, n_staging=N_STAGING,
-                     start_method=start_method, seed=0, transform=procs.Sleep(0.05)) as p:
+    with SamplerPool(buf, 8, workers=Workers(1, staging=N_STAGING, start_method=start_method),
+                     seed=0, transform=procs.Sleep(0.05)) as p:
         procs.assert_batch_ok(p.next(timeout=30), 8)  # the one periodic check happens here
         yield p
 
@@ -169,7 +170,8 @@ def test_a_plain_pool_takes_ready_slots_in_its_common_case_not_its_wait(pool):
     for _ in range(N_STAGING - 1):
         batch = pool.next(timeout=10)
         procs.assert_batch_ok(batch, 8)
-        assert ring.state(batch.slot) == HELD and batch.generation == delivery.gen[batch.slot]
+        assert ring.state(batch.slot) == HELD
+        assert batch.generation == delivery.slots.generation(batch.slot)
         seen.add(batch.slot)
     assert entered == [] and len(seen) == N_STAGING - 1
     assert states(ring).count(HELD) == 1  # each next() handed the previous slot back
@@ -203,14 +205,13 @@ def test_a_due_death_check_runs_inside_the_common_case(pool, monkeypatch):
 @pytest.mark.parametrize("kwargs, quick", [
     ({}, True),
     ({"output": "torch"}, True),
-    ({"sampler": "prioritized"}, False),  # importance weights are computed per batch
-    ({"max_times_sampled": 1}, False),  # the learner chooses the rows
+    ({"selection": "prioritized"}, False),  # importance weights are computed per batch
+    ({"selection": selection.Counted(1)}, False),  # the learner chooses the rows
 ])
 def test_which_pools_take_the_common_case(buf, kwargs, quick):
     if kwargs.get("output") == "torch":
         pytest.importorskip("torch")
-    with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork", seed=0,
-                     **kwargs) as p:
+    with SamplerPool(buf, 8, workers=Workers(1, start_method="fork"), seed=0, **kwargs) as p:
         assert p._delivery.quick is quick
         for _ in range(3):
             procs.assert_batch_ok(p.next(timeout=30), 8)
@@ -286,7 +287,7 @@ class SlowToStart:
 def test_closing_a_young_pool_does_not_wait_for_its_workers_to_start(buf, start_method):
     """Workers that have not said HELLO have nothing to finish: close() ends them at once
     instead of waiting out their start-up (a young spawn pool took 0.3-1.8 s to close)."""
-    pool = SamplerPool(buf, batch_size=8, n_workers=2, start_method=start_method, seed=0,
+    pool = SamplerPool(buf, 8, workers=Workers(2, start_method=start_method), seed=0,
                        transform=SlowToStart(5.0))
     pids = pool.worker_pids
     t0 = time.monotonic()
@@ -302,13 +303,15 @@ STRACE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from tests import pool_procs as procs
     from workers import SamplerPool, delivery_ring
+    from workers.config import Workers
     from workers.staging import FILLING, HELD, READY
     delivery_ring.CHECK_EVERY_NS = 3600 * 10**9
     buf = procs.new_buffer(capacity=128, lanes=2)
-    pool = SamplerPool(buf, batch_size=8, n_workers=1, n_staging=6, start_method="fork",
+    pool = SamplerPool(buf, 8, workers=Workers(1, staging=6, start_method="fork"),
                        seed=0, transform=procs.Sleep(0.05))
     ring = pool._delivery.ring
     states = lambda: [ring.state(s) for s in range(ring.n_slots)]
+    print(pool._delivery.slots.take == pool._delivery.slots._take)
     pool.next(timeout=30)
     while states().count(READY) != 5:
         time.sleep(0.001)
@@ -342,19 +345,22 @@ STRACE_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(shutil.which("strace") is None or sys.platform != "linux",
                     reason="needs strace (Linux)")
-def test_strace_sees_no_system_call_in_next_over_ready_slots(tmp_path):
+@pytest.mark.parametrize("take", ["default", "python"])
+def test_strace_sees_no_system_call_in_next_over_ready_slots(tmp_path, take):
     """The kernel's view: between two markers, four ``next()`` calls over READY slots (each
     releasing a batch to a worker that is not waiting) make no system call at all in the
-    learner's thread."""
+    learner's thread, with the compiled take (where built) and the Python one."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "ready_path.py"
     script.write_text(STRACE_SCRIPT.format(root=root))
     log = tmp_path / "strace.log"
+    env = {**os.environ, **({"SHMBUF_TAKE": "python"} if take == "python" else {})}
     run = subprocess.run(["strace", "-o", str(log), sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=80)
+                         capture_output=True, text=True, timeout=80, env=env)
     if run.returncode != 0 and "ptrace" in run.stderr:
         pytest.skip(f"strace cannot trace here: {run.stderr.strip()[:200]}")
     assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [str(take == "python" or learner_ring.Taker is None)]
     lines = log.read_text().splitlines()
     begin = next(i for i, line in enumerate(lines) if "shmbuf-ready-path-begin" in line)
     end = next(i for i, line in enumerate(lines) if "shmbuf-ready-path-end" in line)
@@ -362,27 +368,11 @@ def test_strace_sees_no_system_call_in_next_over_ready_slots(tmp_path):
     assert between == [], "system calls in next() over READY slots:\n" + "\n".join(between)
 
 
-def test_assign_stores_the_slot_then_says_whether_its_worker_waits():
-    """The learner's hand-over (``StagingRing.assign``) stores generation, owner and state, and
-    answers the waker's half of the handshake for that worker: True only while it sleeps."""
-    arrays = slot_arrays([("x", (2,), "float32")], 4, ())
-    ring = StagingRing.create(arrays, 3, {}, n_workers=2)
-    try:
-        assert ring.assign(0, 1, 7) is False
-        assert (ring.generation(0), ring.state(0)) == (7, delivery_ring.ASSIGNED)
-        with ring.sleeping(1 + 1):  # worker 1 blocks
-            assert ring.assign(1, 1, 8) is True
-            assert ring.assign(2, 0, 9) is False  # worker 0 is awake
-        assert ring.assign(1, 1, 10) is False
-    finally:
-        ring.close()
-
-
 def test_batches_of_one_slot_share_its_views_but_not_their_validity():
     """Per-slot views are built once: a later batch of the same slot views the same memory, and
     the earlier batch stays released (``ClosedError``), its arrays untouched by the reuse."""
     with procs.new_buffer(capacity=64, lanes=2) as buf, \
-            SamplerPool(buf, batch_size=4, n_workers=0, seed=0) as pool:
+            SamplerPool(buf, 4, workers=0, seed=0) as pool:
         first = pool.next()
         keys = sorted(first)
         kept = {k: first[k] for k in keys}
@@ -398,24 +388,24 @@ def test_batches_of_one_slot_share_its_views_but_not_their_validity():
 def test_a_close_from_another_thread_inside_the_common_case_raises_closed(buf, taker):
     """Another thread closes the pool while ``next()`` hands the held slot back: the learner
     gets ``ClosedError``, not whatever the torn-down ring raised."""
-    with SamplerPool(buf, batch_size=8, n_workers=1, start_method="fork", seed=0) as p:
+    with SamplerPool(buf, 8, workers=Workers(1, start_method="fork"), seed=0) as p:
         procs.assert_batch_ok(p.next(timeout=30), 8)
         delivery = p._delivery
         assert delivery.quick
-        steps = delivery.taker
-        assert (type(steps) is delivery_ring.PythonTaker) == (taker == "python")
+        slots = delivery.slots
+        take = slots.take
+        assert (take == slots._take) == (taker == "python")
 
         ring = delivery.ring
 
-        class ClosedMeanwhile:
-            def take(self, words: Any, held: Any, t0: int) -> Any:
-                closer = threading.Thread(target=p.close)
-                closer.start()
-                closer.join(timeout=30)
-                assert delivery.ring is None  # torn down under the learner
-                return steps.take(words, held, t0)
+        def closed_meanwhile(held: Any, t0: int) -> Any:
+            closer = threading.Thread(target=p.close)
+            closer.start()
+            closer.join(timeout=30)
+            assert delivery.ring is None and delivery.slots is None  # torn down under it
+            return take(held, t0)
 
-        delivery.taker = ClosedMeanwhile()
+        slots.take = closed_meanwhile
         with pytest.raises(ClosedError, match="closed during next"):
             p.next(timeout=10)
         assert ring.seg.buf is None  # unmapped: the held batch was let go of by the close

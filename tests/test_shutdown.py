@@ -31,8 +31,7 @@ SCRIPT = textwrap.dedent("""
     holder.buf, holder.cycle = buf, holder  # a cycle: freed by the last collections only
     del buf
     if sys.argv[1] != "none":
-        pool = SamplerPool(holder.buf, n_workers=int(sys.argv[1]), batch_size=4,
-                           sampler="prioritized")
+        pool = SamplerPool(holder.buf, 4, workers=int(sys.argv[1]), selection="prioritized")
         pool.next()
     print(holder.buf.name, flush=True)
     raise RuntimeError("boom while owning a buffer")

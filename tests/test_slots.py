@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import slots, store
 from shmbuf import layout as L
+from shmbuf import slots, store
 
 SPEC = shmbuf.Spec(x=((), "int64"), obs=((3,), "float32"))
 C = 8

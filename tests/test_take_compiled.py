@@ -1,16 +1,17 @@
-"""The compiled common case of ``SamplerPool.next()`` (``workers._take_c.Taker``, made by
-``delivery_ring.make_taker``): driven through the same random sequence of worker hand-backs,
-waiting words and takes as ``PythonTaker`` (RingDelivery's own ``_assign``, ``_collect`` and
-``_pop_ready``, and ``Delivery.hold``), it returns the same batches, lets go of the same ones and
-leaves the same control words, book, generations, per-worker counts and wake-ups. Bad calls
-raise and change nothing.
+"""The compiled common case of ``SamplerPool.next()`` (``workers._take_c.Taker``, behind
+``LearnerRing.take``): driven through the same random script of worker hand-backs, waiting
+words, releases, stale batches, deaths and takes as ``LearnerRing._take`` (the Python steps), it
+returns the same batches, lets go of the same ones and leaves the same ring words, records
+(tickets, statuses, places, per-worker counts) and wake-ups. Bad calls raise and change nothing;
+records written wrong cannot make it write out of bounds.
 """
 
 from __future__ import annotations
 
 import gc
-import itertools
 import os
+import subprocess
+import sys
 import time
 import weakref
 from types import SimpleNamespace
@@ -21,11 +22,10 @@ import pytest
 
 from shmbuf.errors import ClosedError
 from tests import pool_procs as procs
-from workers import Batch, SamplerPool, delivery_ring
+from workers import Batch, SamplerPool, learner_ring
 from workers.batch import BatchFields
-from workers.delivery import Delivery
-from workers.delivery_ring import PythonTaker, RingDelivery, make_taker
-from workers.slot_book import SlotBook
+from workers.config import Workers
+from workers.learner_ring import RECORD_FIELDS, STATUSES, H, LearnerRing, compiled_taker
 from workers.staging import (
     ASSIGNED,
     FILLING,
@@ -44,49 +44,33 @@ from workers.staging import (
 
 
 class Learner:
-    """The records ``take_ready``'s steps change, on a staging ring of its own (no workers: the
-    test stores what they would). The Python steps are RingDelivery's methods on these."""
+    """A staging ring of its own and its ``LearnerRing`` (no workers: the test stores what they
+    would), taking with the compiled steps or the Python ones."""
 
-    _assign = RingDelivery._assign
-    _collect = RingDelivery._collect
-    _pop_ready = RingDelivery._pop_ready
-    _live_ring = RingDelivery._live_ring
-    hold = Delivery.hold
-    cache_views = Delivery.cache_views
-
-    def __init__(self, n_slots: int, n_workers: int) -> None:
+    def __init__(self, n_slots: int, n_workers: int, ordered: bool, compiled: bool) -> None:
         self.ring = StagingRing.create(slot_arrays([("x", (2,), "float32")], 4, ()), n_slots,
                                        {}, n_workers=n_workers)
-        self.cfg = SimpleNamespace(ordered=False)
-        self.book = SlotBook(False)
-        self.gen = [0] * n_slots
-        self.tickets = itertools.count(1)
-        self.filled = [0] * n_workers
-        self.n_workers, self.selects = n_workers, False
-        self.woken: list[tuple[int, int, int]] = []
-        self.children = SimpleNamespace(children=[
-            SimpleNamespace(wake=lambda slot, gen, w=w: self.woken.append((w, slot, gen)))
-            for w in range(n_workers)])
+        self.woken: list[int] = []
+        self.slots = LearnerRing(self.ring, n_workers, ordered, self.woken.append)
         for slot in range(n_slots):
-            self._assign(slot)
-        self.plain, self.jax, self.weighted, self.to_device = True, None, False, False
-        self.out_fields = ["x"]
+            self.slots.hand_out(slot)
         self.views = [self.ring.slot(s) for s in range(n_slots)]
-        self.batch_views: dict[int, Any] = {}
         self.released: list[int] = []  # slots of batches let go by Batch.release
-        self.held = None
+        self.slots.deliver_as([Batch({"x": v["x"]}, v[INDICES], v[LANES], v[WEIGHTS],
+                                     self.release_batch, s, 0, None)
+                               for s, v in enumerate(self.views)])
+        if not compiled:
+            self.slots.take = self.slots._take
+        self.n_workers = n_workers
 
     def close(self) -> None:
-        """As the delivery's teardown: the views dropped, then the ring closed."""
-        self.views, self.held = [], None
-        self.batch_views.clear()
+        """As the delivery's teardown: the records and views dropped, then the ring closed."""
+        self.slots.close()
+        self.views = []
         self.ring.close()
 
     def release_batch(self, batch: Batch) -> None:
         self.released.append(batch.slot)
-
-    def batch_to(self, batch: Batch, device: Any) -> dict[str, Any]:
-        return {}
 
     def record(self) -> dict[str, Any]:
         ring = self.ring
@@ -94,77 +78,97 @@ class Learner:
                  for s in range(ring.n_slots)]
         batches, waited = (ring.words[w] for w in ring.stats.delivered_words)
         assert waited >= 0
-        return {"words": words, "batches": batches, "assigned": list(self.book.assigned),
-                "ready": list(self.book.ready), "gen": list(self.gen),
-                "filled": list(self.filled), "woken": list(self.woken),
-                "released": list(self.released)}
+        return {"words": words, "batches": batches, "records": self.slots.records.tolist(),
+                "woken": list(self.woken), "released": list(self.released)}
 
 
-def same_batch(learner: Learner, batch: Batch) -> tuple[Any, ...]:
+def same_batch(learner: Learner, batch: Batch | None) -> tuple[Any, ...]:
     """What ``batch`` is, for comparing across learners: its slot, generation, fields, state,
     and that its arrays are the slot's views in ``learner``'s ring."""
     if batch is None:
         return (None,)
     views = learner.views[batch.slot]
     assert type(batch) is Batch and not batch.released
-    assert all(batch[k] is learner.batch_views[batch.slot][0][k] for k in batch)
+    assert batch["x"] is learner.slots.templates[batch.slot]["x"]
     for name, view in (("x", batch["x"]), (INDICES, batch.indices), (LANES, batch.lanes),
                        (WEIGHTS, batch.weights)):
         assert np.shares_memory(view, views[name])
+    assert batch.generation == learner.slots.generation(batch.slot)
     return (batch.slot, batch.generation, list(batch), batch.epoch, batch.ends_epoch,
             batch._to_fn is None)
+
+
+def needs_compiled() -> None:
+    if learner_ring.Taker is None:
+        pytest.skip("workers._take_c was not built")
 
 
 @pytest.fixture
 def twins(request):
     """A learner whose steps are compiled and one whose steps are Python, alike so far."""
-    if delivery_ring.Taker is None:
-        pytest.skip("workers._take_c was not built")
-    n_slots, n_workers = getattr(request, "param", (6, 2))
-    made = [Learner(n_slots, n_workers) for _ in range(2)]
-    compiled, python = made
+    needs_compiled()
+    n_slots, n_workers, ordered = getattr(request, "param", (6, 2, False))
+    made = [Learner(n_slots, n_workers, ordered, compiled) for compiled in (True, False)]
     try:
-        yield (compiled, make_taker(compiled, compiled.ring)), (python, PythonTaker(python))
+        yield made
     finally:
         for learner in made:
             learner.close()
 
 
-@pytest.mark.parametrize("twins, steps", [((6, 2), 3000), ((3, 3), 1000), ((300, 7), 1500)],
-                         indirect=["twins"])
+@pytest.mark.parametrize("twins, steps", [((6, 2, False), 3000), ((6, 2, True), 3000),
+                                          ((3, 3, False), 1000), ((300, 7, False), 1500),
+                                          ((40, 7, True), 1500)], indirect=["twins"])
 def test_the_compiled_steps_do_what_the_python_steps_do(twins, steps):
-    """Both takers through one random script: workers hand slots back (READY, STALE), start
-    filling, block and wake; the learner takes, releasing what it holds (or let go of it
-    before, as ``Batch.release`` does). Every result and every record match."""
-    (compiled, fast), (python, slow) = twins
-    assert type(fast) is delivery_ring.Taker
+    """Both learners through one random script: workers hand slots back (READY, STALE), start
+    filling, block and wake, die (their slots reclaimed and handed out again in their
+    places); the learner takes, releasing what it holds (or let go of it before, as
+    ``Batch.release`` does), and hands stale slots out again. Every result and record match."""
+    compiled, python = twins
+    assert type(compiled.slots.take.__self__) is learner_ring.Taker
+    assert python.slots.take == python.slots._take
     rng = np.random.default_rng(0)
     held: list[Any] = [None, None]  # each learner's batch
-    taken = set()
+    taken, both = set(), (compiled, python)
     for _ in range(steps):
-        op = rng.integers(6)
+        op = rng.integers(8)
         slot = int(rng.integers(compiled.ring.n_slots))
         if op <= 1 and compiled.ring.state(slot) == ASSIGNED:  # a worker hands it back
             state = READY if op == 0 or rng.random() < .9 else STALE
-            for learner in (compiled, python):
+            for learner in both:
                 learner.ring.set_state(slot, state)
         elif op == 2 and compiled.ring.state(slot) == ASSIGNED:
-            for learner in (compiled, python):
+            for learner in both:
                 learner.ring.set_state(slot, FILLING)
         elif op == 3:  # a worker starts or stops waiting
             waiter = 1 + int(rng.integers(compiled.n_workers))
-            for learner in (compiled, python):
+            for learner in both:
                 learner.ring.set_waiting(waiter, not learner.ring.waiting(waiter))
         elif op == 4 and held[0] is not None and not held[0].released:
-            for learner, batch in zip((compiled, python), held):  # Batch.release() first
+            for learner, batch in zip(both, held):  # Batch.release() first
                 batch.release()
-                learner._assign(batch.slot)
+                learner.slots.hand_out(batch.slot)
                 assert batch.released
             if rng.random() < .5:  # the next take is given None; else the released batch,
                 held = [None, None]  # whose slot it must not hand out again
+        elif op == 5 and rng.random() < .2:  # a worker died: its slots out are reclaimed
+            worker = int(rng.integers(compiled.n_workers))
+            mine = list(range(worker, compiled.ring.n_slots, compiled.n_workers))
+            lost = [learner.slots.reclaim(mine) for learner in both]
+            assert lost[0] == lost[1]
+            for learner in both:
+                for s in lost[0]:  # the restarted worker refills them, in their places
+                    learner.slots.hand_out(s, requeue=False)
+        elif op == 6:  # stale batches: out again, in their places or at the back
+            stale = [learner.slots.stale() for learner in both]
+            assert stale[0] == stale[1]
+            for s in stale[0]:
+                requeue = bool(rng.random() < .5)
+                for learner in both:
+                    learner.slots.hand_out(s, requeue=requeue)
         else:
-            got = [taker.take(learner.ring.words, batch, time.perf_counter_ns())
-                   for learner, taker, batch in ((compiled, fast, held[0]), (python, slow, held[1]))]
+            t0 = time.perf_counter_ns()
+            got = [learner.slots.take(batch, t0) for learner, batch in zip(both, held)]
             for batch in held:  # let go of: it raises, and holds no views
                 if batch is not None:
                     assert batch.released and batch._data == {} and batch._indices is None
@@ -175,42 +179,41 @@ def test_the_compiled_steps_do_what_the_python_steps_do(twins, steps):
             if got[0] is not None:
                 assert compiled.ring.state(got[0].slot) == HELD
                 taken.add(got[0].slot)
-        for slot in range(compiled.ring.n_slots):  # what a worker finished, it fills again
-            if compiled.ring.state(slot) == FILLING and rng.random() < .3:
-                for learner in (compiled, python):
-                    learner.ring.set_state(slot, READY)
+        for s in range(compiled.ring.n_slots):  # what a worker finished, it fills again
+            if compiled.ring.state(s) == FILLING and rng.random() < .3:
+                for learner in both:
+                    learner.ring.set_state(s, READY)
         assert compiled.record() == python.record()
     record = compiled.record()
-    assert len(taken) > compiled.ring.n_slots // 2 and record["woken"] and sum(record["filled"])
-    assert record["batches"] > steps // 20 and record["released"]
+    assert len(taken) > compiled.ring.n_slots // 2 and record["woken"]
+    assert sum(compiled.slots.filled) and record["batches"] > steps // 20 and record["released"]
 
 
 def test_bad_calls_raise_and_change_nothing(twins):
-    (learner, taker), _ = twins
+    learner, _ = twins
+    take = learner.slots.take
     learner.ring.set_state(1, READY)
     before = learner.record()
     for slot in (6, -2):  # a batch of no slot of the ring: not let go of
         stray = Batch({"x": 0}, None, None, None, learner.release_batch, slot)
         with pytest.raises(IndexError, match=f"held: slot {slot} of 6"):
-            taker.take(learner.ring.words, stray, 0)
+            take(stray, 0)
         assert not stray.released and stray["x"] == 0
-    with pytest.raises(ValueError, match="too short"):
-        taker.take(learner.ring.words[:4], None, 0)
     fields = BatchFields()  # not a Batch made on the compiled fields
     fields.slot = 0
     for held in (0, "0", fields):
         with pytest.raises(TypeError, match="held: a Batch or None"):
-            taker.take(learner.ring.words, held, 0)
-    with pytest.raises(BufferError):
-        taker.take(bytes(len(learner.ring.words) * 8), None, 0)  # not writable
+            take(held, 0)
+    with pytest.raises(TypeError):
+        take(None, "now")
     assert learner.record() == before
     with pytest.raises(TypeError):
-        taker.take(learner.ring.words, None)
+        take(None)
     with pytest.raises(ValueError, match="not made"):
-        delivery_ring.Taker.__new__(delivery_ring.Taker).take(learner.ring.words, None, 0)
+        learner_ring.Taker.__new__(learner_ring.Taker).take(None, 0)
     assert learner.record() == before
     t0 = time.perf_counter_ns()
-    assert taker.take(learner.ring.words, None, t0).slot == 1
+    assert take(None, t0).slot == 1
     waited = learner.ring.words[learner.ring.stats.delivered_words[1]]
     assert 0 <= waited <= time.perf_counter_ns() - t0
 
@@ -218,101 +221,152 @@ def test_bad_calls_raise_and_change_nothing(twins):
 def test_a_closed_ring_raises_value_error(twins):
     """The words of a ring closed (by another thread's close) raise ValueError, as the Python
     steps do; ``SamplerPool.next`` says ClosedError."""
-    (learner, taker), (python, slow) = twins
-    for one, steps in ((learner, taker), (python, slow)):
-        words = one.ring.words
-        one.close()
+    for learner in twins:
+        take = learner.slots.take
+        learner.close()  # (its views dropped: the ring is unmapped, the take keeps no view)
+        assert learner.ring.seg.buf is None
         with pytest.raises(ValueError):
-            steps.take(words, None, 0)
+            take(None, 0)
 
 
 def test_a_close_during_a_wake_up_raises_value_error_on_both(twins):
-    """A close() in another thread can land while the learner sends a wake-up (the send lets
+    """A close() in another thread can land while the learner wakes a worker (the wake-up lets
     other threads run): the ring closes (nothing holds its words) and the take raises
     ValueError on both paths, which ``SamplerPool.next`` reports as ClosedError."""
-    for learner, steps in twins:
-        first = steps.take(learner.ring.words, None, 0)
-        assert first is None  # nothing handed back yet
+    for learner in twins:
+        take = learner.slots.take
+        assert take(None, 0) is None  # nothing handed back yet
         learner.ring.set_state(0, READY)
-        batch = steps.take(learner.ring.words, None, 0)
+        batch = take(None, 0)
         assert batch.slot == 0
         learner.ring.set_waiting(1, True)  # slot 0's worker sleeps
-        learner.children.children[0].wake = lambda slot, gen, learner=learner: learner.close()
+        learner.slots.wake = lambda worker, learner=learner: learner.close()
+        if type(take.__self__) is learner_ring.Taker:  # (it was given the wake-up when made)
+            learner.slots.deliver_as(learner.slots.templates)
+            take = learner.slots.take
         with pytest.raises(ValueError):
-            steps.take(learner.ring.words, batch, 0)
-        assert learner.gen[0] > 0 and 0 in learner.book.assigned  # handed out before the wake
+            take(batch, 0)
         assert batch.released and learner.ring.seg.buf is None  # nothing kept the ring mapped
-
-
-def test_an_ordered_pool_takes_its_steps_in_python(twins):
-    """Ordered delivery takes slots in assignment order: ``make_taker`` gives it the Python
-    steps (the compiled ones take them as they come)."""
-    (learner, _), _ = twins
-    learner.cfg.ordered = True
-    assert type(make_taker(learner, learner.ring)) is PythonTaker
+        assert learner.slots.status[0] == learner_ring.OUT  # handed out before the wake-up
 
 
 def test_made_with_mismatched_records_it_refuses(twins):
-    (learner, _), _ = twins
-    ring, book = learner.ring, learner.book
-    args = [ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
-            ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned, book.ready, learner.gen,
-            learner.filled, learner.tickets, print, Batch, learner.batch_views,
-            learner.cache_views, learner.release_batch, None]
-    for i, bad, error in [(1, ring.generation_words[:-1], ValueError),
-                          (3, ring.waiter_words[:-1], ValueError),
-                          (8, learner.gen[:-1], ValueError), (9, [], ValueError),
-                          (0, [-1] * ring.n_slots, ValueError), (4, (0, -1), ValueError),
-                          (6, [], TypeError), (12, BatchFields, TypeError),
-                          (12, dict, TypeError), (13, [], TypeError)]:
+    """The records are checked when a Taker is made: their header, where each column lies, the
+    word indices, one template per slot (each a Batch); a Taker is made once."""
+    learner, _ = twins
+    slots = learner.slots
+    templates = list(slots.templates)
+    args = (learner.ring.words, slots.records, templates, print)
+
+    def bad_records(field: str, value: int) -> np.ndarray:
+        records = slots.records.copy()
+        records[H[field]] = value
+        return records
+
+    n = slots.n_slots
+    for records, error in [
+        (slots.records[:len(RECORD_FIELDS) - 1], ValueError),  # no room for the header
+        (bad_records("n_slots", 0), ValueError), (bad_records("n_workers", 0), ValueError),
+        (bad_records("ordered", 2), ValueError),
+        (bad_records("status", len(slots.records) - n + 1), ValueError),  # past the end
+        (bad_records("state_at", 3), ValueError),  # inside the header
+        (bad_records("place", -5), ValueError),
+        (slots.records.astype(np.int32), TypeError),
+        (slots.records[::2], (BufferError, ValueError)),  # not contiguous
+        (slots.records.tobytes(), BufferError),  # not writable
+    ]:
         with pytest.raises(error):
-            delivery_ring.Taker(*args[:i], bad, *args[i + 1:])
-    made = delivery_ring.Taker(*args)
+            learner_ring.Taker(args[0], records, *args[2:])
+    negative = slots.records.copy()
+    negative[slots.records[H["owner_at"]] + 1] = -1
+    with pytest.raises(ValueError, match="owner_at holds a bad word index"):
+        learner_ring.Taker(args[0], negative, *args[2:])
+    for bad, error in [(templates[:-1], ValueError), ([*templates[:-1], 0], TypeError),
+                       (tuple(templates), TypeError)]:
+        with pytest.raises(error):
+            learner_ring.Taker(args[0], args[1], bad, args[3])
+    made = learner_ring.Taker(*args)
     with pytest.raises(TypeError, match="made once"):
         made.__init__(*args)
-    half = delivery_ring.Taker.__new__(delivery_ring.Taker)
-    with pytest.raises(ValueError):  # its records taken, then the counts refused
-        half.__init__(*args[:9], [], *args[10:])
+    half = learner_ring.Taker.__new__(learner_ring.Taker)
+    with pytest.raises(ValueError):
+        half.__init__(args[0], bad_records("n_slots", 0), *args[2:])
     with pytest.raises(TypeError, match="made once"):
         half.__init__(*args)
+    templates.clear()  # (the views they hold: the ring closes unmapped)
+
+
+def test_its_word_indices_are_its_own_and_bad_records_stay_in_bounds(twins):
+    """The compiled take copies the word indices when it is made, and reads the statuses,
+    places and counts where they lie: records overwritten with nonsense later (a bug elsewhere)
+    change what it delivers, never where it writes."""
+    learner, python = twins
+    slots = learner.slots
+    state_at = slots.records[H["state_at"]]
+    slots.records[state_at:state_at + slots.n_slots] = 10**12  # nowhere in the ring
+    learner.ring.set_state(2, READY)
+    assert slots.take(None, 0).slot == 2  # still the ring's STATE words
+    status = slots.records[H["status"]]
+    slots.records[status:status + slots.n_slots] = [7, -1, 2**40, 3, 2, 1]  # not statuses
+    slots.records[H["ticket"]] = 2**63 - 1  # the next ticket would overflow
+    for _ in range(3):
+        batch = slots.take(None, 0)
+        assert batch is None or 0 <= batch.slot < slots.n_slots
+    assert python.slots.take(None, 0) is None  # (the twin is untouched)
+
+
+def test_the_records_it_reads_are_the_learner_rings_own():
+    """``compiled_taker`` gives the compiled take only where it reads these records: a build
+    of another layout (or ``SHMBUF_TAKE=python``) gets the Python steps; CI's build matches."""
+    module = SimpleNamespace(RECORD_FIELDS=RECORD_FIELDS, STATUSES=STATUSES, Taker=object)
+    assert compiled_taker(module, {}) is object
+    assert compiled_taker(module, {"SHMBUF_TAKE": "python"}) is None
+    assert compiled_taker(None, {}) is None
+    for wrong in ({"RECORD_FIELDS": RECORD_FIELDS[::-1]}, {"STATUSES": STATUSES[1:]}):
+        assert compiled_taker(SimpleNamespace(**{**vars(module), **wrong}), {}) is None
+    if learner_ring.Taker is not None:
+        from workers import _take_c
+
+        assert (_take_c.RECORD_FIELDS, _take_c.STATUSES) == (RECORD_FIELDS, STATUSES)
 
 
 @pytest.mark.timeout(60)
 def test_ci_builds_the_compiled_take():
     """Where ``SHMBUF_REQUIRE_COMPILED`` is set (``.ci/run``), ``_take_c`` must have been built
-    and a quick pool must take its steps with it."""
+    and a quick pool, ordered or not, must take its steps with it."""
     if not os.environ.get("SHMBUF_REQUIRE_COMPILED"):
         pytest.skip("SHMBUF_REQUIRE_COMPILED is not set")
-    assert delivery_ring.Taker is not None
-    with procs.new_buffer(capacity=64) as buf, \
-            SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork", seed=0) as pool:
-        procs.assert_batch_ok(pool.next(timeout=30), 4)
-        assert type(pool._delivery.taker) is delivery_ring.Taker
+    assert learner_ring.Taker is not None
+    for ordered in (False, True):
+        with procs.new_buffer(capacity=64) as buf, \
+                SamplerPool(buf, 4, workers=Workers(1, start_method="fork", ordered=ordered),
+                            seed=0) as pool:
+            procs.assert_batch_ok(pool.next(timeout=30), 4)
+            assert type(pool._delivery.slots.take.__self__) is learner_ring.Taker
 
 
-def test_a_taker_and_its_delivery_are_collected():
-    """The Taker refers to its delivery's records and calls, which refer back to it: the
-    collector sees the cycle (a Taker it could not see kept every closed pool's delivery)."""
-    if delivery_ring.Taker is None:
-        pytest.skip("workers._take_c was not built")
-    learner = Learner(6, 2)
-    gone = weakref.ref(learner)
-    learner.taker = make_taker(learner, learner.ring)
-    learner.close()
+def test_a_taker_and_its_learner_ring_are_collected():
+    """The Taker refers to its ring's words, the records, and templates whose release calls
+    refer back to whoever holds the ``LearnerRing``: the collector sees the cycle."""
+    needs_compiled()
+    learner = Learner(6, 2, False, True)  # learner -> slots.take -> templates -> learner
+    gone, ring = weakref.ref(learner), learner.ring
     del learner
     gc.collect()
     assert gone() is None
+    ring.close()  # (nothing views it any more)
+    assert ring.seg.buf is None
 
 
 @pytest.mark.timeout(60)
 def test_a_closed_pool_is_collected_with_its_batches_let_go():
-    """A closed pool's delivery drops its Taker (whose wake-up and records refer back to it),
-    is collected, and the last batch it gave raises."""
+    """A closed pool's delivery drops its ``LearnerRing`` (whose take and templates refer back
+    to it), is collected, and the last batch it gave raises."""
     with procs.new_buffer(capacity=64) as buf:
-        with SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork", seed=0) as pool:
+        with SamplerPool(buf, 4, workers=Workers(1, start_method="fork"), seed=0) as pool:
             batch = pool.next(timeout=30)
             delivery = weakref.ref(pool._delivery)
-        assert pool._delivery.taker is None
+        assert pool._delivery.slots is None
         with pytest.raises(ClosedError):
             batch.indices  # noqa: B018 (the property raises)
         del pool
@@ -320,24 +374,20 @@ def test_a_closed_pool_is_collected_with_its_batches_let_go():
         assert delivery() is None
 
 
-@pytest.mark.timeout(120)
-def test_without_the_extension_batches_are_made_in_python(tmp_path):
-    """Where ``_take_c`` was not built, ``Batch`` is made on ``BatchFields`` and a quick pool
-    takes with ``PythonTaker``: the same batches, released the same way."""
-    script = tmp_path / "plain.py"
-    script.write_text(f"""
+PLAIN = """
 import sys
-sys.path.insert(0, {os.getcwd()!r})
-sys.modules["workers._take_c"] = None  # as if it were not built: its import raises
+sys.path.insert(0, {root!r})
+{setup}
 from shmbuf.errors import ClosedError
 from tests import pool_procs as procs
 from workers import SamplerPool
 from workers.batch import Batch, BatchFields
-from workers.delivery_ring import PythonTaker
-assert Batch.__mro__[1] is BatchFields
+from workers.config import Workers
+print(Batch.__mro__[1] is BatchFields)
 with procs.new_buffer(capacity=64) as buf, \\
-        SamplerPool(buf, batch_size=4, n_workers=1, start_method="fork", seed=0) as pool:
-    assert type(pool._delivery.taker) is PythonTaker
+        SamplerPool(buf, 4, workers=Workers(1, start_method="fork"), seed=0) as pool:
+    slots = pool._delivery.slots
+    assert slots.take == slots._take
     last = None
     for _ in range(20):
         batch = pool.next(timeout=30)
@@ -349,23 +399,21 @@ with procs.new_buffer(capacity=64) as buf, \\
         last["obs"]
     except ClosedError:
         print("ok")
-""")
-    import subprocess
-    import sys
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setup, env, on_fields", [
+    ('sys.modules["workers._take_c"] = None', {}, True),  # as if it were not built
+    ("", {"SHMBUF_TAKE": "python"}, False),  # built, and left out
+])
+def test_without_the_compiled_take_batches_are_taken_in_python(tmp_path, setup, env, on_fields):
+    """Where ``_take_c`` was not built (``Batch`` is made on ``BatchFields`` then), or
+    ``SHMBUF_TAKE=python``, a quick pool takes with ``LearnerRing._take``: the same batches,
+    released the same way."""
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN.format(root=os.getcwd(), setup=setup))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=100)
-    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr
-
-
-def test_records_shortened_under_it_raise_not_crash(twins):
-    """The records are Python lists the delivery owns: shortened (a bug elsewhere), the take
-    raises IndexError instead of reading past them."""
-    (learner, taker), _ = twins
-    learner.ring.set_state(1, READY)
-    del learner.filled[:]
-    with pytest.raises(IndexError):
-        taker.take(learner.ring.words, None, 0)
-    learner.filled[:] = [0, 0]
-    del learner.gen[:]
-    with pytest.raises(IndexError):
-        taker.take(learner.ring.words, None, 0)
+                          timeout=100, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(on_fields or learner_ring.Taker is None), "ok"]

@@ -20,6 +20,7 @@ import pytest
 from tests import pool_procs as procs
 from workers import SamplerPool
 from workers.channel import Channel
+from workers.config import Workers
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -47,8 +48,8 @@ def buf():
 def test_workers_run_as_batch_and_so_do_restarted_ones(buf, start_method):
     learner_policy = os.sched_getscheduler(0)
     learner_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    with SamplerPool(buf, batch_size=8, n_workers=2, start_method=start_method, seed=0,
-                     max_restarts_per_minute=60) as pool:
+    with SamplerPool(buf, 8, workers=Workers(2, start_method=start_method,
+                                          max_restarts_per_minute=60), seed=0) as pool:
         procs.assert_batch_ok(pool.next(timeout=30), 8)
         pids = pool.worker_pids
         assert len(pids) == 2
@@ -132,8 +133,8 @@ def test_each_worker_waits_on_its_channels_eventfd(buf, start_method):
     stray = os.eventfd(0)  # the test process's own (as Ray's or gRPC's): a fork passes it on
     try:
         before = set(eventfd_ids("self"))
-        with SamplerPool(buf, batch_size=8, n_workers=2, start_method=start_method, seed=0,
-                         max_restarts_per_minute=60) as pool:
+        with SamplerPool(buf, 8, workers=Workers(2, start_method=start_method,
+                                              max_restarts_per_minute=60), seed=0) as pool:
             procs.assert_batch_ok(pool.next(timeout=30), 8)
             wanted = learner_side_ids(pool)
             assert len(set(wanted.values())) == 2

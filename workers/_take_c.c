@@ -1,34 +1,32 @@
-/* The learner's common case of SamplerPool.next(), compiled: hand the held slot back to its
- * worker, take up the slots workers handed back, hold the first ready one. What
- * RingDelivery.take_ready does in Python (_assign, _collect, _pop_ready) for a quick, unordered
- * pool, in one call: a learner that wakes cold from a train step pays about a microsecond for
- * each Python frame and object its path reaches, and this path is word loads and stores.
+/* The learner's common case of SamplerPool.next(), compiled: LearnerRing.take
+ * (workers/learner_ring.py) in one call. Hand the held slot back to its worker, take up the
+ * slots workers handed back, hold the next one and make its batch: a learner that wakes cold
+ * from a train step pays about a microsecond for each Python frame and object its path
+ * reaches, and this path is word loads and stores.
  *
- * An optional speed-up, built by setup.py where a C compiler is at hand; without it the Python
- * path runs, with the same effects (tests/test_take_compiled.py runs both). The learner's
- * records stay the Python objects RingDelivery owns (the book's dict of assigned slots and
- * deque of ready ones, the generations, the per-worker counts): this file only changes them as
- * the Python path would.
+ * An optional speed-up, built by setup.py where a C compiler is at hand; without it (or with
+ * SHMBUF_TAKE=python) LearnerRing._take runs, with the same effects
+ * (tests/test_take_compiled.py drives both through one script). It works on the learner's own
+ * records, LearnerRing.records (an int64 array laid out as learner_ring.py says), and the
+ * ring's words; it is given nothing else but each slot's batch template and the wake-up call.
  *
  * Ordering (workers/staging.py): a worker stores a slot's data, then READY in its STATE word;
  * the learner loads STATE with acquire before it hands out views of the data. Handing a slot
  * back stores GENERATION and OWNER, then STATE with release, then a full fence before it reads
- * the owner's waiting word (the waker's half of the handshake): if it is set, the worker
- * sleeps or is about to, and wake(owner, slot, generation) wakes it. The words are
- * not held (no buffer export) while that Python callback runs.
+ * the worker's waiting word (the waker's half of the handshake): if it is set, the worker
+ * sleeps or is about to, and wake(worker) wakes it. The words are not held (no buffer
+ * export) while that Python callback runs.
  *
  * BatchCore is what workers.batch.Batch is made on: its fields and _invalidate() in C, so the
- * take can let go of the learner's batch and make the next one (the slot's cached views, as
- * Delivery.hold does for a plain batch) with no Python frame. batch.py has the same fields in
- * Python (BatchFields) for where this file was not built.
+ * take can let go of the learner's batch and make the next one with no Python frame. batch.py
+ * has the same fields in Python (BatchFields) for where this file was not built.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
-
-static PyObject *one; /* the int 1, for the per-worker counts */
 
 /* -- BatchCore ------------------------------------------------------------------------------- */
 
@@ -126,223 +124,187 @@ static PyTypeObject BatchCoreType = {
 
 /* -- Taker ----------------------------------------------------------------------------------- */
 
+/* The records' header fields and the slots' statuses, in the order of workers/learner_ring.py
+ * (RECORD_FIELDS, STATUSES): this module exports both, and the learner makes a Taker only
+ * where they are its own. */
+enum {
+    R_N_SLOTS, R_N_WORKERS, R_ORDERED, R_TICKET, R_ASSIGNED, R_READY, R_STALE, R_HELD,
+    R_BATCHES_AT, R_WAIT_AT, R_STATE_AT, R_OWNER_AT, R_GENERATION_AT, R_STATUS, R_PLACE,
+    R_WAITER_AT, R_FILLED, R_HEADER
+};
+static const char *const record_fields[R_HEADER] = {
+    "n_slots", "n_workers", "ordered", "ticket", "assigned", "ready", "stale", "held",
+    "batches_at", "wait_at", "state_at", "owner_at", "generation_at", "status", "place",
+    "waiter_at", "filled"};
+enum { WITH_LEARNER, OUT, BACK, BACK_STALE, N_STATUSES };
+static const char *const statuses[N_STATUSES] = {"with_learner", "out", "back", "back_stale"};
+
 typedef struct {
     PyObject_HEAD
+    PyObject *words;     /* the ring's control words: a buffer acquired for each take only */
+    Py_buffer records;   /* LearnerRing.records, held for the Taker's life (records.obj set) */
+    PyObject *templates; /* list: each slot's batch as the delivery made it once (emptied
+                          * when the learner lets go of the ring: the views go with it) */
+    PyObject *wake;      /* wake(worker) */
     Py_ssize_t n_slots, n_workers, n_words;
-    Py_ssize_t *state_at, *generation_at, *owner_at, *waiter_at; /* word indices */
-    Py_ssize_t batches_at, wait_at; /* the stats line's batches and wait words */
-    int64_t assigned, ready, stale, held;                          /* STATE values */
-    PyObject *book_assigned;   /* dict: slots out with a worker, in assignment order */
-    PyObject *ready_append;    /* the book's ready deque: append and popleft */
-    PyObject *ready_popleft;
-    PyObject *ready_deque;
-    PyObject *generations;     /* list: each slot's generation */
-    PyObject *filled;          /* list: batches each worker handed back */
-    PyObject *tickets;         /* iterator of generations */
-    PyObject *wake;            /* wake(owner, slot, generation) */
-    PyTypeObject *batch_type;  /* workers.batch.Batch (a BatchCore) */
-    PyObject *batch_views;     /* dict: slot -> (fields, indices, lanes, weights), cached */
-    PyObject *cache_views;     /* cache_views(slot): that tuple, cached */
-    PyObject *release_fn;      /* each batch's release(batch) */
-    PyObject *to_fn;           /* each batch's to(batch, device), or NULL */
-    int made;                  /* __init__ done, not cleared */
+    int ordered, inited;
+    int64_t assigned, ready, stale, held; /* STATE values */
+    Py_ssize_t batches_at, wait_at;       /* word indices of the stats line's words */
+    Py_ssize_t *state_at, *owner_at, *generation_at, *waiter_at; /* own copies, checked */
+    int64_t *ticket, *status, *place, *filled;                   /* in the records */
 } Taker;
 
-static int word_indices(PyObject *seq, Py_ssize_t n, Py_ssize_t **out, const char *what) {
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (!fast) return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != n) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd word indices, expected %zd", what,
-                     PySequence_Fast_GET_SIZE(fast), n);
-        Py_DECREF(fast);
-        return -1;
-    }
-    *out = PyMem_Calloc(n ? n : 1, sizeof(Py_ssize_t));
-    if (!*out) {
-        Py_DECREF(fast);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t v = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        if (v < 0) {
-            Py_DECREF(fast);
-            PyErr_Format(PyExc_ValueError, "%s: a negative word index", what);
-            return -1;
-        }
-        (*out)[i] = v;
-    }
-    Py_DECREF(fast);
-    return 0;
-}
-
-/* (The records and calls refer back to the delivery that refers to this Taker: a cycle the
- * collector must see.) */
+/* (The templates' release calls refer back to the delivery that refers to this Taker: a
+ * cycle the collector must see.) */
 static int taker_traverse(Taker *self, visitproc visit, void *arg) {
-    Py_VISIT(self->book_assigned);
-    Py_VISIT(self->ready_append);
-    Py_VISIT(self->ready_popleft);
-    Py_VISIT(self->ready_deque);
-    Py_VISIT(self->generations);
-    Py_VISIT(self->filled);
-    Py_VISIT(self->tickets);
+    Py_VISIT(self->words);
+    Py_VISIT(self->templates);
     Py_VISIT(self->wake);
-    Py_VISIT(self->batch_type);
-    Py_VISIT(self->batch_views);
-    Py_VISIT(self->cache_views);
-    Py_VISIT(self->release_fn);
-    Py_VISIT(self->to_fn);
+    Py_VISIT(self->records.obj);
     return 0;
 }
 
-/* (book_assigned stays: it says the Taker was made, see taker_init) */
 static int taker_clear(Taker *self) {
-    self->made = 0;
-    Py_CLEAR(self->ready_append);
-    Py_CLEAR(self->ready_popleft);
-    Py_CLEAR(self->ready_deque);
-    Py_CLEAR(self->generations);
-    Py_CLEAR(self->filled);
-    Py_CLEAR(self->tickets);
+    Py_CLEAR(self->words);
+    Py_CLEAR(self->templates);
     Py_CLEAR(self->wake);
-    Py_CLEAR(self->batch_type);
-    Py_CLEAR(self->batch_views);
-    Py_CLEAR(self->cache_views);
-    Py_CLEAR(self->release_fn);
-    Py_CLEAR(self->to_fn);
+    if (self->records.obj) PyBuffer_Release(&self->records);
+    self->ticket = self->status = self->place = self->filled = NULL;
     return 0;
 }
 
 static void taker_dealloc(Taker *self) {
     PyObject_GC_UnTrack(self);
-    PyMem_Free(self->state_at);
-    PyMem_Free(self->generation_at);
-    PyMem_Free(self->owner_at);
-    PyMem_Free(self->waiter_at);
     taker_clear(self);
-    Py_CLEAR(self->book_assigned);
+    PyMem_Free(self->state_at);
+    PyMem_Free(self->owner_at);
+    PyMem_Free(self->generation_at);
+    PyMem_Free(self->waiter_at);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Taker(state_at, generation_at, owner_at, waiter_at, stats_at, states, assigned, ready,
- *       generations, filled, tickets, wake, batch_type, batch_views, cache_views, release_fn,
- *       to_fn): the word indices of each slot's STATE, GENERATION and OWNER, of each waiting
- * word (the learner's first, then each worker's) and of the stats line's batches and wait
- * words (PoolStats.batch_delivered); states = (ASSIGNED, READY, STALE, HELD); the book's dict
- * of assigned slots and deque of ready ones, the list of generations (one per slot), of
- * per-worker counts, the iterator of generations and the wake-up call; what Delivery.hold
- * makes a plain batch of: the Batch class, the dict of each slot's cached views and the call
- * that caches them, each batch's release and to (or None) calls. */
+/* Records column ``field`` of ``n`` words: a pointer to it, or NULL (ValueError) if it does
+ * not lie within the records after the header. */
+static int64_t *column(int64_t *rec, Py_ssize_t total, int field, Py_ssize_t n) {
+    int64_t at = rec[field];
+    if (at < R_HEADER || at > total || n > total - at) {
+        PyErr_Format(PyExc_ValueError, "records: column %s (at %lld, %zd words) outside the "
+                     "%zd records", record_fields[field], (long long)at, n, total);
+        return NULL;
+    }
+    return rec + at;
+}
+
+/* An own copy of records column ``field`` (word indices): all of them >= 0, the largest kept
+ * in ``*top``. */
+static Py_ssize_t *word_indices(int64_t *rec, Py_ssize_t total, int field, Py_ssize_t n,
+                                Py_ssize_t *top) {
+    int64_t *col = column(rec, total, field, n);
+    if (!col) return NULL;
+    Py_ssize_t *out = PyMem_Calloc(n, sizeof(Py_ssize_t));
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (col[i] < 0 || col[i] >= PY_SSIZE_T_MAX / 8) {
+            PyMem_Free(out);
+            PyErr_Format(PyExc_ValueError, "records: %s holds a bad word index",
+                         record_fields[field]);
+            return NULL;
+        }
+        out[i] = (Py_ssize_t)col[i];
+        if (out[i] > *top) *top = out[i];
+    }
+    return out;
+}
+
+/* Taker(words, records, templates, wake): ``words`` the staging ring's int64 control words (a
+ * writable buffer; a released one makes take raise ValueError), ``records`` the learner's
+ * records (LearnerRing.records: contiguous int64, laid out as workers/learner_ring.py says),
+ * ``templates`` a list of each slot's batch (a BatchCore subclass: its views and release and
+ * to calls; the learner empties it when it lets go of the ring),
+ * ``wake(worker)`` the wake-up of a worker that sleeps. The word indices are copied and
+ * checked here; the ticket, statuses, places and counts stay in the records. */
 static int taker_init(Taker *self, PyObject *args, PyObject *kwds) {
-    PyObject *state_at, *generation_at, *owner_at, *waiter_at, *assigned_o, *ready, *gens,
-        *filled, *tickets, *wake, *batch_type, *batch_views, *cache_views, *release_fn, *to_fn;
-    long long assigned, ready_state, stale, held;
-    static char *kw[] = {"state_at", "generation_at", "owner_at", "waiter_at", "stats_at", "states",
-                         "assigned", "ready", "generations", "filled", "tickets", "wake",
-                         "batch_type", "batch_views", "cache_views", "release_fn", "to_fn", NULL};
-    if (self->book_assigned) { /* (set first: a second __init__ would leak or mix records) */
+    PyObject *words, *records, *templates, *wake;
+    static char *kw[] = {"words", "records", "templates", "wake", NULL};
+    if (self->inited) { /* (a second __init__ would leak or mix records) */
         PyErr_SetString(PyExc_TypeError, "a Taker is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO(nn)(LLLL)O!OO!O!OOO!O!OOO", kw, &state_at,
-                                     &generation_at, &owner_at, &waiter_at, &self->batches_at,
-                                     &self->wait_at, &assigned, &ready_state, &stale, &held,
-                                     &PyDict_Type, &assigned_o, &ready, &PyList_Type, &gens,
-                                     &PyList_Type, &filled, &tickets, &wake, &PyType_Type,
-                                     &batch_type, &PyDict_Type, &batch_views, &cache_views,
-                                     &release_fn, &to_fn))
+    self->inited = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO!O", kw, &words, &records, &PyList_Type,
+                                     &templates, &wake))
         return -1;
-    if (!PyType_IsSubtype((PyTypeObject *)batch_type, &BatchCoreType)) {
-        PyErr_SetString(PyExc_TypeError, "batch_type: a subclass of BatchCore");
+    if (PyObject_GetBuffer(records, &self->records,
+                           PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
-    }
-    /* (references taken only once every argument parsed: dealloc drops what is set) */
-    self->book_assigned = Py_NewRef(assigned_o);
-    self->generations = Py_NewRef(gens);
-    self->filled = Py_NewRef(filled);
-    self->tickets = Py_NewRef(tickets);
-    self->wake = Py_NewRef(wake);
-    self->batch_type = (PyTypeObject *)Py_NewRef(batch_type);
-    self->batch_views = Py_NewRef(batch_views);
-    self->cache_views = Py_NewRef(cache_views);
-    self->release_fn = Py_NewRef(release_fn);
-    self->to_fn = to_fn == Py_None ? NULL : Py_NewRef(to_fn);
-    self->n_slots = PyObject_Length(state_at);
-    self->n_workers = PyList_GET_SIZE(self->filled);
-    if (self->n_slots < 0) return -1;
-    if (self->n_workers < 1 || PyList_GET_SIZE(self->generations) != self->n_slots) {
-        PyErr_SetString(PyExc_ValueError, "filled: one count per worker (at least one); "
-                                          "generations: one per slot");
+    const char *fmt = self->records.format ? self->records.format : "B";
+    while (*fmt == '<' || *fmt == '=' || *fmt == '@') fmt++;
+    if (self->records.itemsize != 8 || (strcmp(fmt, "l") && strcmp(fmt, "q"))) {
+        PyErr_SetString(PyExc_TypeError, "records: a contiguous int64 array");
         return -1;
     }
-    if (word_indices(state_at, self->n_slots, &self->state_at, "state_at") < 0 ||
-        word_indices(generation_at, self->n_slots, &self->generation_at, "generation_at") < 0 ||
-        word_indices(owner_at, self->n_slots, &self->owner_at, "owner_at") < 0 ||
-        word_indices(waiter_at, 1 + self->n_workers, &self->waiter_at, "waiter_at") < 0)
+    int64_t *rec = self->records.buf;
+    Py_ssize_t total = self->records.len / 8;
+    if (total < R_HEADER) {
+        PyErr_SetString(PyExc_ValueError, "records: shorter than their header");
         return -1;
+    }
+    Py_ssize_t n = (Py_ssize_t)rec[R_N_SLOTS], w = (Py_ssize_t)rec[R_N_WORKERS];
+    if (rec[R_N_SLOTS] < 1 || rec[R_N_WORKERS] < 1 || rec[R_N_SLOTS] > total ||
+        rec[R_N_WORKERS] > total || (rec[R_ORDERED] & ~1)) {
+        PyErr_SetString(PyExc_ValueError, "records: bad slot or worker count, or ordered");
+        return -1;
+    }
+    if (PyList_GET_SIZE(templates) != n) {
+        PyErr_Format(PyExc_ValueError, "templates: %zd, one per slot (%zd)",
+                     PyList_GET_SIZE(templates), n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyObject_TypeCheck(PyList_GET_ITEM(templates, i), &BatchCoreType)) {
+            PyErr_SetString(PyExc_TypeError, "templates: each a Batch (a BatchCore)");
+            return -1;
+        }
     Py_ssize_t top = 0;
-    for (Py_ssize_t i = 0; i < self->n_slots; i++) {
-        Py_ssize_t m = self->state_at[i];
-        if (self->generation_at[i] > m) m = self->generation_at[i];
-        if (self->owner_at[i] > m) m = self->owner_at[i];
-        if (m > top) top = m;
-    }
-    for (Py_ssize_t i = 0; i <= self->n_workers; i++)
-        if (self->waiter_at[i] > top) top = self->waiter_at[i];
-    if (self->batches_at < 0 || self->wait_at < 0) {
-        PyErr_SetString(PyExc_ValueError, "stats_at: a negative word index");
+    if (!(self->state_at = word_indices(rec, total, R_STATE_AT, n, &top)) ||
+        !(self->owner_at = word_indices(rec, total, R_OWNER_AT, n, &top)) ||
+        !(self->generation_at = word_indices(rec, total, R_GENERATION_AT, n, &top)) ||
+        !(self->waiter_at = word_indices(rec, total, R_WAITER_AT, 1 + w, &top)) ||
+        !(self->status = column(rec, total, R_STATUS, n)) ||
+        !(self->place = column(rec, total, R_PLACE, n)) ||
+        !(self->filled = column(rec, total, R_FILLED, w)))
+        return -1;
+    if (rec[R_BATCHES_AT] < 0 || rec[R_WAIT_AT] < 0 || rec[R_BATCHES_AT] >= PY_SSIZE_T_MAX / 8 ||
+        rec[R_WAIT_AT] >= PY_SSIZE_T_MAX / 8) {
+        PyErr_SetString(PyExc_ValueError, "records: a bad stats word index");
         return -1;
     }
+    self->batches_at = (Py_ssize_t)rec[R_BATCHES_AT];
+    self->wait_at = (Py_ssize_t)rec[R_WAIT_AT];
     if (self->batches_at > top) top = self->batches_at;
     if (self->wait_at > top) top = self->wait_at;
     self->n_words = top + 1;
-    self->assigned = assigned;
-    self->ready = ready_state;
-    self->stale = stale;
-    self->held = held;
-    self->ready_deque = Py_NewRef(ready);
-    self->ready_append = PyObject_GetAttrString(ready, "append");
-    self->ready_popleft = PyObject_GetAttrString(ready, "popleft");
-    if (!self->ready_append || !self->ready_popleft) return -1;
-    self->made = 1;
+    self->n_slots = n;
+    self->n_workers = w;
+    self->ordered = (int)rec[R_ORDERED];
+    self->ticket = rec + R_TICKET;
+    self->assigned = rec[R_ASSIGNED];
+    self->ready = rec[R_READY];
+    self->stale = rec[R_STALE];
+    self->held = rec[R_HELD];
+    self->words = Py_NewRef(words);
+    self->templates = Py_NewRef(templates);
+    self->wake = Py_NewRef(wake);
     return 0;
 }
 
-/* Hand ``slot`` to its worker: what RingDelivery._assign does for a pool whose workers draw
- * their own rows (a new generation, the book's record, STATE last). 1 if the worker sleeps, or
- * is about to, and needs wake(*owner, slot, *generation); 0 if not; -1 on an error. */
-static int hand_out(Taker *self, int64_t *words, Py_ssize_t slot, Py_ssize_t *owner,
-                    long long *generation) {
-    PyObject *ticket = PyIter_Next(self->tickets);
-    if (!ticket) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "tickets ran out");
-        return -1;
-    }
-    *generation = PyLong_AsLongLong(ticket);
-    if ((*generation == -1 && PyErr_Occurred()) ||
-        PyList_SetItem(self->generations, slot, ticket) < 0) /* (steals the reference) */
-        return -1;
-    PyObject *key = PyLong_FromSsize_t(slot);
-    if (!key) return -1;
-    int bad = PyDict_SetItem(self->book_assigned, key, Py_None);
-    Py_DECREF(key);
-    if (bad < 0) return -1;
-    *owner = slot % self->n_workers;
-    __atomic_store_n(&words[self->generation_at[slot]], (int64_t)*generation, __ATOMIC_RELAXED);
-    __atomic_store_n(&words[self->owner_at[slot]], (int64_t)*owner, __ATOMIC_RELAXED);
-    __atomic_store_n(&words[self->state_at[slot]], self->assigned, __ATOMIC_RELEASE);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    return __atomic_load_n(&words[self->waiter_at[1 + *owner]], __ATOMIC_RELAXED) != 0;
-}
-
-/* The control words of ``words_o``, checked: a writable buffer of int64 holding every word
- * index this Taker was made with (a released memoryview raises ValueError). */
-static int64_t *acquire(Taker *self, PyObject *words_o, Py_buffer *view) {
-    if (PyObject_GetBuffer(words_o, view, PyBUF_WRITABLE) < 0) return NULL;
+/* The ring's words, checked: a writable buffer of int64 holding every word index this Taker
+ * was made with (a released memoryview raises ValueError). */
+static int64_t *acquire(Taker *self, Py_buffer *view) {
+    if (PyObject_GetBuffer(self->words, view, PyBUF_WRITABLE) < 0) return NULL;
     if (view->len < self->n_words * (Py_ssize_t)sizeof(int64_t) ||
         ((uintptr_t)view->buf % sizeof(int64_t))) {
         PyBuffer_Release(view);
@@ -352,102 +314,107 @@ static int64_t *acquire(Taker *self, PyObject *words_o, Py_buffer *view) {
     return view->buf;
 }
 
-/* What RingDelivery._collect does for a pool whose workers draw their own rows: the assigned
- * slots whose STATE says READY or STALE, in assignment order, out of ``assigned`` and onto
- * the ready deque, each counted for its worker. */
-static int take_up(Taker *self, int64_t *words) {
-    PyObject *back[256];
-    PyObject **keys = back;
-    Py_ssize_t n = PyDict_GET_SIZE(self->book_assigned), count = 0, pos = 0;
-    if (n > 256 && !(keys = PyMem_Malloc(n * sizeof(PyObject *)))) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    PyObject *key, *value;
-    int status = 0;
-    while (PyDict_Next(self->book_assigned, &pos, &key, &value)) {
-        Py_ssize_t slot = PyLong_AsSsize_t(key);
-        if (slot < 0 || slot >= self->n_slots) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a slot out of range");
-            status = -1;
-            break;
-        }
-        int64_t state = __atomic_load_n(&words[self->state_at[slot]], __ATOMIC_ACQUIRE);
-        if (state == self->ready || state == self->stale) keys[count++] = Py_NewRef(key);
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *slot_o = keys[i];
-        if (status == 0) {
-            Py_ssize_t slot = PyLong_AsSsize_t(slot_o), w = slot % self->n_workers;
-            /* (checked access: the lists are Python's, and could have been shortened) */
-            PyObject *r = NULL, *was = PyList_GetItem(self->filled, w), *now = NULL;
-            if (!was || PyDict_DelItem(self->book_assigned, slot_o) < 0 ||
-                !(r = PyObject_CallOneArg(self->ready_append, slot_o)) ||
-                !(now = PyNumber_Add(was, one)) || PyList_SetItem(self->filled, w, now) < 0)
-                status = -1;
-            Py_XDECREF(r);
-        }
-        Py_DECREF(slot_o);
-    }
-    if (keys != back) PyMem_Free(keys);
-    return status;
+/* LearnerRing.hand_out(slot) (requeued, ASSIGNED): a new ticket for its generation and place,
+ * OWNER, then STATE stored last with release; then the waker's half of the handshake. The
+ * worker to wake (it sleeps or is about to), or -1. */
+static Py_ssize_t hand_out(Taker *self, int64_t *words, Py_ssize_t slot) {
+    int64_t ticket = (int64_t)((uint64_t)*self->ticket + 1); /* (no signed overflow) */
+    *self->ticket = ticket;
+    Py_ssize_t worker = slot % self->n_workers;
+    self->place[slot] = ticket;
+    self->status[slot] = OUT;
+    __atomic_store_n(&words[self->generation_at[slot]], ticket, __ATOMIC_RELAXED);
+    __atomic_store_n(&words[self->owner_at[slot]], (int64_t)worker, __ATOMIC_RELAXED);
+    __atomic_store_n(&words[self->state_at[slot]], self->assigned, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return __atomic_load_n(&words[self->waiter_at[1 + worker]], __ATOMIC_RELAXED) ? worker : -1;
 }
 
-/* The learner's batch of ``slot``: what Delivery.hold makes of a plain one (its cached views,
- * the release and to calls, the slot and its generation), with no __init__ to run. */
-static PyObject *make_batch(Taker *self, Py_ssize_t slot) {
-    PyObject *key = PyLong_FromSsize_t(slot);
-    if (!key) return NULL;
-    PyObject *views = PyDict_GetItemWithError(self->batch_views, key);
-    if (views)
-        Py_INCREF(views);
-    else if (!PyErr_Occurred())
-        views = PyObject_CallOneArg(self->cache_views, key);
-    Py_DECREF(key);
-    if (!views) return NULL;
-    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != 4) {
-        Py_DECREF(views);
-        PyErr_SetString(PyExc_TypeError, "a slot's views: (fields, indices, lanes, weights)");
+/* LearnerRing.take_up: slots out whose STATE (loaded with acquire) says READY or STALE are
+ * back, each READY one counted for its worker. */
+static void take_up(Taker *self, int64_t *words) {
+    for (Py_ssize_t slot = 0; slot < self->n_slots; slot++) {
+        if (self->status[slot] != OUT) continue;
+        int64_t state = __atomic_load_n(&words[self->state_at[slot]], __ATOMIC_ACQUIRE);
+        if (state == self->ready) {
+            self->status[slot] = BACK;
+            self->filled[slot % self->n_workers] += 1;
+        } else if (state == self->stale) {
+            self->status[slot] = BACK_STALE;
+        }
+    }
+}
+
+/* LearnerRing.pop: the slot with the smallest place among those back (ordered: among those
+ * queued, out or back), HELD if it is back and ready; -1 if none is. */
+static Py_ssize_t pop(Taker *self, int64_t *words) {
+    Py_ssize_t best = -1;
+    for (Py_ssize_t slot = 0; slot < self->n_slots; slot++) {
+        int64_t s = self->status[slot];
+        if ((s == BACK || (self->ordered && (s == OUT || s == BACK_STALE))) &&
+            (best < 0 || self->place[slot] < self->place[best]))
+            best = slot;
+    }
+    if (best < 0 || self->status[best] != BACK) return -1;
+    self->status[best] = WITH_LEARNER;
+    __atomic_store_n(&words[self->state_at[best]], self->held, __ATOMIC_RELAXED);
+    return best;
+}
+
+/* The batch of ``slot``: its template's views and calls, the slot and its generation, with no
+ * __init__ to run. (The list is the learner's: checked again at every take.) */
+static PyObject *make_batch(Taker *self, Py_ssize_t slot, int64_t generation) {
+    if (PyList_GET_SIZE(self->templates) != self->n_slots) {
+        PyErr_SetString(PyExc_ValueError, "the templates were dropped (the ring was closed)");
         return NULL;
     }
-    PyObject *generation_o = PyList_GetItem(self->generations, slot);
-    long long generation = generation_o ? PyLong_AsLongLong(generation_o) : -1;
-    BatchCore *b = NULL;
-    if (!(generation == -1 && PyErr_Occurred()))
-        b = (BatchCore *)self->batch_type->tp_alloc(self->batch_type, 0);
-    if (b) {
-        b->data = Py_NewRef(PyTuple_GET_ITEM(views, 0));
-        b->indices = Py_NewRef(PyTuple_GET_ITEM(views, 1));
-        b->lanes = Py_NewRef(PyTuple_GET_ITEM(views, 2));
-        b->weights = Py_NewRef(PyTuple_GET_ITEM(views, 3));
-        b->release_fn = Py_NewRef(self->release_fn);
-        b->to_fn = Py_XNewRef(self->to_fn);
-        b->slot = slot;
-        b->generation = generation;
+    /* (a reference of our own: the allocation below may run a collection, and its finalizers
+     * any Python code) */
+    BatchCore *t = (BatchCore *)Py_NewRef(PyList_GET_ITEM(self->templates, slot));
+    if (!PyObject_TypeCheck((PyObject *)t, &BatchCoreType) || t->released || !t->data ||
+        !t->indices || !t->lanes || !t->weights) {
+        Py_DECREF(t);
+        PyErr_Format(PyExc_ValueError, "the template of slot %zd is not a live batch", slot);
+        return NULL;
     }
-    Py_DECREF(views);
+    PyTypeObject *type = Py_TYPE(t);
+    BatchCore *b = (BatchCore *)type->tp_alloc(type, 0);
+    if (!b || t->released || !t->data || !t->indices || !t->lanes || !t->weights) {
+        Py_XDECREF(b);
+        Py_DECREF(t);
+        if (b) PyErr_Format(PyExc_ValueError, "the template of slot %zd was let go of", slot);
+        return NULL;
+    }
+    b->data = Py_NewRef(t->data);
+    b->indices = Py_NewRef(t->indices);
+    b->lanes = Py_NewRef(t->lanes);
+    b->weights = Py_NewRef(t->weights);
+    b->release_fn = Py_XNewRef(t->release_fn);
+    b->to_fn = Py_XNewRef(t->to_fn);
+    b->slot = slot;
+    b->generation = generation;
+    Py_DECREF(t);
     return (PyObject *)b;
 }
 
-/* take(words, held, t0) -> Batch | None: ``held`` (the learner's batch, or None) released and
- * its slot back to its worker (unless it was released before: a take that raised after the
- * release leaves the delivery's held batch released, and its slot is not handed out twice), the slots workers handed back taken up, and the first ready
- * slot marked HELD, counted in the stats line as a batch delivered after waiting since ``t0``
- * (time.perf_counter_ns: CLOCK_MONOTONIC) and returned as a batch (None if none is ready).
- * ``words``: the staging ring's control words (a writable buffer of int64); a released one
- * raises ValueError, as the Python path does. */
+/* take(held, t0) -> Batch | None: LearnerRing._take in one call. ``held`` (the learner's
+ * batch, or None) let go of and its slot handed back (unless it was let go of before: a take
+ * that raised after the release leaves the delivery's held batch released, and its slot is
+ * not handed out twice), the slots workers handed back taken up, and the next slot HELD,
+ * counted in the stats line as a batch delivered after waiting since ``t0``
+ * (time.perf_counter_ns: CLOCK_MONOTONIC) and returned as a batch (None if none is ready). */
 static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "take(words, held, t0)");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "take(held, t0)");
         return NULL;
     }
-    if (!self->made) {
+    if (!self->records.obj || !self->words) {
         PyErr_SetString(PyExc_ValueError, "a Taker not made (or cleared)");
         return NULL;
     }
-    long long t0 = PyLong_AsLongLong(args[2]);
+    long long t0 = PyLong_AsLongLong(args[1]);
     if (t0 == -1 && PyErr_Occurred()) return NULL;
-    PyObject *held = args[1];
+    PyObject *held = args[0];
     Py_ssize_t release = -1;
     if (held != Py_None) {
         if (!PyObject_TypeCheck(held, &BatchCoreType)) {
@@ -465,55 +432,40 @@ static PyObject *taker_take(Taker *self, PyObject *const *args, Py_ssize_t nargs
         }
     }
     Py_buffer view;
-    int64_t *words = acquire(self, args[0], &view);
+    int64_t *words = acquire(self, &view);
     if (!words) return NULL;
-    PyObject *result = NULL;
     if (release >= 0) {
-        Py_ssize_t owner;
-        long long generation;
-        int wake = hand_out(self, words, release, &owner, &generation);
-        if (wake < 0) goto done;
-        if (wake) {
+        Py_ssize_t worker = hand_out(self, words, release);
+        if (worker >= 0) {
             /* Not holding the words while Python runs: a close() in another thread (the
-             * callback's send lets it run) must be able to release them. */
+             * wake-up lets it run) must be able to release them. */
             PyBuffer_Release(&view);
-            PyObject *r = PyObject_CallFunction(self->wake, "nnL", owner, release, generation);
+            PyObject *r = PyObject_CallFunction(self->wake, "n", worker);
             if (!r) return NULL;
             Py_DECREF(r);
-            if (!(words = acquire(self, args[0], &view))) return NULL;
+            if (!(words = acquire(self, &view))) return NULL;
         }
     }
-    if (take_up(self, words) < 0) goto done;
-    Py_ssize_t n_ready = PyObject_Length(self->ready_deque);
-    if (n_ready <= 0) {
-        if (n_ready == 0) result = Py_NewRef(Py_None);
-        goto done;
+    take_up(self, words);
+    Py_ssize_t slot = pop(self, words);
+    PyObject *result = NULL;
+    if (slot < 0) {
+        result = Py_NewRef(Py_None);
+    } else if ((result = make_batch(self, slot, words[self->generation_at[slot]]))) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        words[self->batches_at] += 1; /* (only the learner stores them) */
+        words[self->wait_at] += (int64_t)now.tv_sec * 1000000000 + now.tv_nsec - t0;
     }
-    PyObject *slot_o = PyObject_CallNoArgs(self->ready_popleft);
-    if (!slot_o) goto done;
-    Py_ssize_t slot = PyLong_AsSsize_t(slot_o);
-    Py_DECREF(slot_o);
-    if (slot < 0 || slot >= self->n_slots) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "a ready slot out of range");
-        goto done;
-    }
-    __atomic_store_n(&words[self->state_at[slot]], self->held, __ATOMIC_RELAXED);
-    if (!(result = make_batch(self, slot))) goto done;
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    int64_t waited = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec - t0;
-    words[self->batches_at] += 1; /* (only the learner stores them) */
-    words[self->wait_at] += waited;
-done:
     PyBuffer_Release(&view);
     return result;
 }
 
 static PyMethodDef taker_methods[] = {
     {"take", (PyCFunction)(void (*)(void))taker_take, METH_FASTCALL,
-     "take(words, held, t0): held (unless None or released) released and handed back, "
-     "handed-back slots "
-     "taken up, the first ready slot HELD, counted and returned as a batch (None if none)."},
+     "take(held, t0): held (unless None or released) let go of and its slot handed back, "
+     "handed-back slots taken up, the next slot HELD, counted and returned as a batch "
+     "(None if none is ready)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -522,7 +474,7 @@ static PyTypeObject TakerType = {
     .tp_name = "workers._take_c.Taker",
     .tp_basicsize = sizeof(Taker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The learner's common case of SamplerPool.next() for a quick, unordered pool.",
+    .tp_doc = "LearnerRing.take, compiled: the common case of SamplerPool.next().",
     .tp_traverse = (traverseproc)taker_traverse,
     .tp_clear = (inquiry)taker_clear,
     .tp_new = PyType_GenericNew,
@@ -535,14 +487,37 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_take_c",
                                     "The learner's common case of next(), compiled (optional).",
                                     -1, NULL, NULL, NULL, NULL, NULL};
 
+/* A tuple of ``n`` str. */
+static PyObject *names(const char *const *items, Py_ssize_t n) {
+    PyObject *out = PyTuple_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyUnicode_FromString(items[i]);
+        if (!s) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, s);
+    }
+    return out;
+}
+
+static int add_names(PyObject *m, const char *name, const char *const *items, Py_ssize_t n) {
+    PyObject *t = names(items, n);
+    if (!t) return -1;
+    int status = PyModule_AddObjectRef(m, name, t);
+    Py_DECREF(t);
+    return status;
+}
+
 PyMODINIT_FUNC PyInit__take_c(void) {
     if (PyType_Ready(&BatchCoreType) < 0 || PyType_Ready(&TakerType) < 0) return NULL;
-    one = PyLong_FromLong(1);
-    if (!one) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Taker", (PyObject *)&TakerType) < 0 ||
-        PyModule_AddObjectRef(m, "BatchCore", (PyObject *)&BatchCoreType) < 0) {
+        PyModule_AddObjectRef(m, "BatchCore", (PyObject *)&BatchCoreType) < 0 ||
+        add_names(m, "RECORD_FIELDS", record_fields, R_HEADER) < 0 ||
+        add_names(m, "STATUSES", statuses, N_STATUSES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,17 +1,14 @@
-# The learner's common case of next(), compiled (_take_c.c): see that file.
-import collections
-from typing import Any, Callable, Iterator, Sequence
+# LearnerRing.take compiled (_take_c.c): see that file, and workers/learner_ring.py for the
+# records it works on.
+from typing import Any, Callable
+
+RECORD_FIELDS: tuple[str, ...]
+STATUSES: tuple[str, ...]
 
 class Taker:
-    def __init__(self, state_at: Sequence[int], generation_at: Sequence[int],
-                 owner_at: Sequence[int], waiter_at: Sequence[int], stats_at: tuple[int, int],
-                 states: tuple[int, int, int, int], assigned: dict[int, None],
-                 ready: collections.deque[int], generations: list[int], filled: list[int],
-                 tickets: Iterator[int], wake: Callable[[int, int, int], Any],
-                 batch_type: type[BatchCore], batch_views: dict[int, tuple[Any, ...]],
-                 cache_views: Callable[[int], tuple[Any, ...]], release_fn: Callable[..., Any],
-                 to_fn: Callable[..., Any] | None) -> None: ...
-    def take(self, words: memoryview, held: BatchCore | None, t0: int) -> Any: ...
+    def __init__(self, words: memoryview, records: Any, templates: list[Any],
+                 wake: Callable[[int], Any]) -> None: ...
+    def take(self, held: BatchCore | None, t0: int) -> Any: ...
 
 class BatchCore:
     """A Batch's fields and _invalidate() (workers.batch.BatchFields in Python)."""

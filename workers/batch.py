@@ -80,6 +80,14 @@ class Batch(_Fields, Mapping[str, Any]):
         self.slot = slot
         self.generation = generation
 
+    def _renewed(self, generation: int, release_fn: Any = None, info: list[int] | None = None
+                 ) -> Batch:
+        """A new batch of this one's views, slot and ``to``, with ``generation`` (and
+        ``release_fn``, ``info`` when given): how a delivery makes a slot's batch from the
+        template it made once (``_take_c`` does the same in C)."""
+        return Batch(self._data, self._indices, self._lanes, self._weights,
+                     release_fn or self._release_fn, self.slot, generation, self._to_fn, info)
+
     def _check(self) -> None:
         if self._released:
             raise ClosedError(

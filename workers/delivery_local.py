@@ -10,14 +10,14 @@ import numpy as np
 
 from shmbuf.errors import Timeout
 
-from .batch import Batch
-from .delivery import Delivery, PoolParts
+from .delivery import HostDelivery, PoolParts
 from .filler import Backoff, BatchFiller, Wait
 from .staging import WEIGHTS, slot_arrays, write_rows
 
 
-class InProcessDelivery(Delivery):
-    """One private slot (slot 0), filled by ``next()`` itself with the workers' ``BatchFiller``.
+class InProcessDelivery(HostDelivery):
+    """One private slot (slot 0), filled by ``wait_slot`` itself with the workers'
+    ``BatchFiller``.
 
     Concurrency: this process only; the slot is refilled once the previous batch's device copies
     (``device=``, ``Batch.to``) have completed. Sampled rows are counted in the buffer's limiter
@@ -38,12 +38,19 @@ class InProcessDelivery(Delivery):
         self.rng = np.random.default_rng(cfg.seed)
 
     def start(self) -> None:
-        self.views = self.make_views([self.local])
+        self.make_views([self.local])
 
     def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
         return self.local
 
-    def next(self, timeout: float, step: int) -> Batch:
+    def ready_slot(self, step: int) -> int | None:
+        return None  # (filled only when asked: wait_slot)
+
+    def give_back(self, slot: int) -> None:
+        """Nothing to hand back: the next ``wait_slot`` refills the slot once its fences
+        passed."""
+
+    def wait_slot(self, step: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
 
         def wait(backoff: Backoff) -> None:
@@ -64,10 +71,7 @@ class InProcessDelivery(Delivery):
         else:
             self.filler.wait_until_drawable(wait)
             self.filler.draw(0, self.rng, wait)
-        if self.stage is not None:
-            self.submit_slot(self.stage, 0, step)
-            return self.hold_device(self.stage)
-        return self.hold(0, step)
+        return 0
 
     def _select_and_gather(self, wait: Wait) -> None:
         """Fill the slot with rows the selection chooses (``max_times_sampled``, the queue)."""

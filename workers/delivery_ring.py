@@ -1,12 +1,14 @@
-"""Staging-ring delivery: sampler worker processes fill shared-memory slots the learner assigns
-them; the learner takes ready slots as views, hands them back, and supervises the workers.
+"""Staging-ring delivery: sampler worker processes fill shared-memory slots the learner hands
+them; the learner takes filled slots (``learner_ring.LearnerRing``: its records and every word it
+stores), hands them back with the rows it chose for them (``SlotRows``), and supervises the
+workers.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -16,28 +18,12 @@ from shmbuf.errors import BufferInUseError, ClosedError, Timeout, WorkerDiedErro
 
 from .batch import Batch
 from .channel import OP_ERROR, OP_HELLO
-from .delivery import Delivery, PoolParts
-from .device import DeviceStage
+from .delivery import HostDelivery, PoolParts
+from .learner_ring import LearnerRing
 from .sampler_proc import SamplerConfig, sampler_main
-from .slot_book import SlotBook, SlotRows
-from .staging import (
-    ASSIGNED,
-    ASSIGNED_ROWS,
-    HELD,
-    LEARNER,
-    READY,
-    STALE,
-    StagingRing,
-    slot_arrays,
-    write_rows,
-)
+from .selection import Rows, Selection
+from .staging import ASSIGNED, ASSIGNED_ROWS, StagingRing, slot_arrays, write_rows
 from .supervise import Child, ChildSet, self_inflicted
-
-Taker: Any  # the compiled common case of next() (setup.py builds it where it can), or None
-try:
-    from ._take_c import Taker
-except ImportError:  # pragma: no cover - depends on the build
-    Taker = None
 
 POLL_SLICE = 0.25  # longest single wait, so deaths and timeouts are handled promptly
 # While ready slots keep coming (so next() never blocks), look at messages and deaths this often.
@@ -89,10 +75,9 @@ class _WorkerHandle(Child):
                 f"Fix the cause, or raise max_restarts_per_minute")
         return None
 
-    def wake(self, slot: int, generation: int) -> None:
-        """The process sleeps, or is about to, and ``slot`` was assigned to it: its wake-up
-        (the slot's state says what to do; ``slot`` and ``generation`` are not sent, and are
-        there for whoever records the wake-ups: the twin tests of ``_take_c`` compare them)."""
+    def wake(self) -> None:
+        """The process sleeps, or is about to, and a slot was handed to it: its wake-up (the
+        slot's state says what to do)."""
         if self.chan is not None:
             try:
                 self.chan.wake()
@@ -111,7 +96,49 @@ class _WorkerHandle(Child):
                 "batches": batches}
 
 
-def _sampler_config(delivery: Delivery, staging: str) -> SamplerConfig:
+class SlotRows:
+    """Rows the learner chose for its slots (``Selection.learner_selects``): those each slot out
+    with a worker is to gather (kept after a worker death: queue mode still delivers each row
+    exactly once), and the slots waiting for rows."""
+
+    def __init__(self, selection: Selection) -> None:
+        self.selection = selection
+        self.by_slot: dict[int, Rows] = {}
+        self.waiting: list[int] = []  # slots with no rows to select yet
+
+    def rows_for(self, slot: int, select: Callable[[], Rows | None]) -> Rows | None:
+        """The rows ``slot`` is to gather: those it had, else ``select()``'s; None (and the
+        slot waits) if nothing can be selected now."""
+        rows = self.by_slot.get(slot)
+        if rows is None:
+            rows = select()
+            if rows is None:
+                self.waiting.append(slot)
+                return None
+            self.by_slot[slot] = rows
+        return rows
+
+    def retry(self, assign: Callable[[int], None]) -> None:
+        """``assign`` the slots waiting for rows again, until one still finds none."""
+        waiting = self.waiting
+        for slot in waiting[:]:
+            waiting.remove(slot)
+            assign(slot)
+            if waiting and waiting[-1] == slot:
+                break  # still nothing to select; the others would find nothing either
+
+    def stale(self, slot: int) -> bool:
+        """``slot``'s rows were overwritten before its worker gathered them; True if the slot
+        keeps its place in delivery order (``Selection.stale``)."""
+        return self.selection.stale(self.by_slot.pop(slot))
+
+    def done(self, slot: int) -> None:
+        """The learner is done with ``slot``'s rows."""
+        if self.by_slot:
+            self.by_slot.pop(slot, None)
+
+
+def _sampler_config(delivery: RingDelivery, staging: str) -> SamplerConfig:
     """What every sampler worker of ``delivery`` is started with (its staging ring's name)."""
     cfg, table = delivery.cfg, delivery.selection.draws_from
     return SamplerConfig(
@@ -121,46 +148,10 @@ def _sampler_config(delivery: Delivery, staging: str) -> SamplerConfig:
         plan=delivery.compiled.plan, priority_table=table.name if table is not None else None)
 
 
-class PythonTaker:
-    """``take_ready``'s steps in Python, where ``_take_c`` was not built or batches leave in
-    order: what ``_take_c.Taker.take`` does, through the delivery's own methods."""
-
-    def __init__(self, delivery: RingDelivery) -> None:
-        self.delivery = delivery
-
-    def take(self, words: memoryview, held: Batch | None, t0: int) -> Batch | None:
-        """``held`` (unless None or released) released and its slot back to its worker,
-        handed-back slots taken up, the first ready slot HELD, counted as a batch delivered
-        after waiting since ``t0``, and returned as a batch, if any."""
-        d = self.delivery
-        if held is not None and not held.released:  # (else its slot was handed out then)
-            held._invalidate()
-            d._assign(held.slot)
-        d._collect()
-        slot = d._pop_ready()
-        if slot is None:
-            return None
-        d._live_ring().stats.batch_delivered(time.perf_counter_ns() - t0)
-        return d.hold(slot, 0)  # (a quick pool's batches are plain: the step is not read)
-
-
-def make_taker(delivery: RingDelivery, ring: StagingRing) -> Any:
-    """The steps of ``delivery.take_ready`` for a quick pool: compiled (``_take_c.Taker``, on
-    the delivery's own records) where it was built and batches may leave as they come."""
-    if Taker is None or delivery.cfg.ordered:
-        return PythonTaker(delivery)
-    book, d = delivery.book, delivery
-    return Taker(ring.state_words, ring.generation_words, ring.owner_words, ring.waiter_words,
-                 ring.stats.delivered_words, (ASSIGNED, READY, STALE, HELD), book.assigned,
-                 book.ready, d.gen, d.filled, d.tickets,
-                 lambda owner, slot, gen: d.children.children[owner].wake(slot, gen),
-                 Batch, d.batch_views, d.cache_views, d.release_batch,
-                 d.batch_to if d.to_device else None)
-
-
-class RingDelivery(Delivery):
+class RingDelivery(HostDelivery):
     """Slot ``s`` belongs to worker ``s % n_workers``; it moves FREE -> ASSIGNED -> (FILLING ->
-    READY, the worker's) -> HELD -> back to its worker.
+    READY, the worker's) -> HELD -> back to its worker. ``slots`` (a ``LearnerRing``) keeps
+    the learner's records of them and stores every word the learner stores.
 
     Concurrency: the learner (this process) owns the staging segment and writes a slot's control
     words while it holds the slot; the worker writes them (and the slot's data) between
@@ -177,15 +168,15 @@ class RingDelivery(Delivery):
         self.children: ChildSet[_WorkerHandle] = ChildSet(
             ctx, sampler_main, "shmbuf-sampler", parts.cfg.max_restarts_per_minute)
         self.ring: StagingRing | None = None  # None until started, and once closed
+        self.slots: LearnerRing | None = None  # the learner's half of the ring
         self.rows = SlotRows(parts.selection)  # learner-selected rows, if the learner selects
-        self.book = SlotBook(parts.cfg.ordered)
-        self.tickets = itertools.count(1)  # generations, one count for all: assignment order
         self.next_check = 0  # perf_counter_ns of the next look at messages and deaths
-        self.n_workers, self.n_staging = parts.cfg.n_workers, parts.cfg.n_staging  # (take_ready)
+        self.n_workers, self.n_staging = parts.cfg.n_workers, parts.cfg.n_staging
         self.selects = parts.selection.learner_selects
-        self.quick = False  # take_ready may deliver: release = hand-out, batch = views
-        self.taker: Any = None  # take_ready's steps, for a quick pool (make_taker)
-        self.filled = [0] * parts.cfg.n_workers  # batches each worker handed back
+        # take_ready delivers plain views (no weights to compute, no rows to choose or enter):
+        # the held batch's release is the hand-out, all in LearnerRing.take
+        self.quick = not (self.weighted or self.tags or self.selects
+                          or parts.selection.enters_rows)
 
     def start(self) -> None:
         """Create the ring, start the workers, hand every slot out (the pool cleans up a
@@ -195,28 +186,33 @@ class RingDelivery(Delivery):
         ring = self.ring = StagingRing.create(arrays, cfg.n_staging,
                                               {"buffer": self.buf.name, "batch_size": b},
                                               n_workers=cfg.n_workers)
+        slots = self.slots = LearnerRing(ring, cfg.n_workers, cfg.ordered, self._wake)
         self.cfg_bytes = cloudpickle.dumps(_sampler_config(self, ring.name))
-        self.views = self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
+        self.make_views([ring.slot(s) for s in range(cfg.n_staging)])
         for wid, seed in enumerate(cfg.seed.spawn(self.n_workers)):
-            slots = list(range(wid, cfg.n_staging, self.n_workers))
-            self._start_worker(_WorkerHandle(wid, slots), seed, [])
+            slots_of = list(range(wid, cfg.n_staging, self.n_workers))
+            self._start_worker(_WorkerHandle(wid, slots_of), seed, [])
         # Slots in order, so worker s % n_workers gets slot s: the same round-robin that
-        # ordered delivery follows, so batches leave in the order they were assigned.
+        # ordered delivery follows, so batches leave in the order they were handed out.
         for slot in range(cfg.n_staging):
             self._assign(slot)
-        self.quick = self.plain and self.stage is None and self.pinned is None \
-            and not self.selects and not self.selection.enters_rows
         if self.quick:
-            self.taker = make_taker(self, ring)
+            slots.deliver_as(self.templates)
 
     # -- the interface ----------------------------------------------------------------------------
-    def _live_ring(self) -> StagingRing:
-        if self.ring is None:
+    def _live_slots(self) -> LearnerRing:
+        if self.slots is None:
             raise ClosedError("the SamplerPool is closed")
-        return self.ring
+        return self.slots
 
     def slot_arrays(self, slot: int) -> dict[str, np.ndarray]:
-        return self._live_ring().slot(slot)
+        ring = self.ring
+        if ring is None:
+            raise ClosedError("the SamplerPool is closed")
+        return ring.slot(slot)
+
+    def generation(self, slot: int) -> int:
+        return self._live_slots().generation(slot)
 
     def workers(self) -> list[_WorkerHandle]:
         return self.children.children
@@ -230,75 +226,57 @@ class RingDelivery(Delivery):
         self.children.wake()
 
     def stats(self, batches: int) -> dict[str, Any]:
+        slots = self.slots
+        filled = slots.filled.tolist() if slots is not None else [0] * self.n_workers
         return {**super().stats(batches),
-                "workers": [w.stats(self.filled[w.wid]) for w in self.workers()]}
+                "workers": [w.stats(filled[w.wid]) for w in self.workers()]}
 
     @property
     def ready_count(self) -> int:
-        return len(self.book)
+        return self.slots.ready_count if self.slots is not None else 0
 
     def selected_pending(self) -> int:
-        return len(self.book.assigned)
+        return self.slots.out_count if self.slots is not None else 0
 
     def shared_memory(self) -> tuple[Any, int, int] | None:
-        ring = self._live_ring()
+        ring = self.ring
+        if ring is None:
+            raise ClosedError("the SamplerPool is closed")
         offset, length = ring.slot_span()
         return ring.seg.buf, offset, length
 
-    # -- taking batches ---------------------------------------------------------------------------
+    # -- taking slots -----------------------------------------------------------------------------
     def take_ready(self, step: int) -> Batch | None:
         """``next()``'s common case, for a ``quick`` pool: the held slot back to its worker, the
-        first ready one held, through few frames and objects (a learner waking cold from a train
-        step pays ~1 us for each). None if none is ready or anything else is due: ``next``."""
+        next ready one held, in one call (``LearnerRing.take``: a learner waking cold from a
+        train step pays ~1 us for each frame and object). None if none is ready or anything
+        else is due: ``next``."""
         t0 = time.perf_counter_ns()
         if t0 >= self.next_check:  # (for every pool: its next() comes here first)
             self._look_around(t0)
-        ring = self.ring
+        slots = self.slots
         if not self.quick or self.failure is not None or self.fences.pending or self.closing \
-                or ring is None:
+                or slots is None:
             return None
         # The held batch's release (a quick pool's is the hand-out), in the take: a close in
         # another thread finds it released or still held, never holding views unseen.
-        batch = self.held = self.taker.take(ring.words, self.held, t0)
-        self.occupancy_sum += (len(self.book.ready) + (batch is not None)) / self.n_staging
+        batch = self.held = slots.take(self.held, t0)
+        self.occupancy_sum += (slots.ready_count + (batch is not None)) / self.n_staging
         return batch
 
-    def next(self, timeout: float, step: int) -> Batch:
-        """The learner's next batch (the held one released, and messages and deaths looked at
-        when due, by ``take_ready``): a ready slot, else ``_wait``."""
+    def ready_slot(self, step: int) -> int | None:
+        return self._ready(time.perf_counter_ns())
+
+    def wait_slot(self, step: int, timeout: float) -> int:
+        """A filled slot: one that is ready, else waited for (looking at messages, deaths,
+        fences and rows to select meanwhile)."""
         t0 = time.perf_counter_ns()
-        self._collect()
-        self.occupancy_sum += len(self.book.ready) / self.n_staging
-        slot = self._pop_ready() if self.failure is None and self.stage is None \
-            and not self.fences.pending else None
-        batch = self.hold(slot, step) if slot is not None else self._wait(t0, timeout, step)
-        ring = self.ring
-        if ring is not None:
-            ring.stats.batch_delivered(time.perf_counter_ns() - t0)
-        return batch
-
-    def _pop_ready(self) -> int | None:
-        """The next slot to deliver, if one is ready: HELD until it is handed out again."""
-        slot = self.book.pop()
-        if slot is not None:
-            self._live_ring().set_state(slot, HELD)
-        return slot
-
-    def _wait(self, t0: int, timeout: float, step: int) -> Batch:
-        """``next()``'s other cases: device copies, and waits (looking at messages and deaths)."""
         deadline = t0 + int(timeout * 1e9)
+        slots = self._live_slots()
         while True:
-            if self.failure is not None:
-                raise self.failure
-            self._reap_fences()
-            if self.stage is not None:
-                self._submit_ready(self.stage, step)
-                if len(self.stage):
-                    return self.hold_device(self.stage)
-            else:
-                slot = self._pop_ready()
-                if slot is not None:
-                    return self.hold(slot, step)
+            slot = self._ready(t0)
+            if slot is not None:
+                return slot
             self.rows.retry(self._assign)
             self.selection.enter_new_rows()  # workers may be waiting for rows to enter
             remaining = (deadline - time.perf_counter_ns()) / 1e9
@@ -307,11 +285,28 @@ class RingDelivery(Delivery):
             quick = self.rows.waiting or self.selection.table is not None
             # Slots held back by copies in flight come free within microseconds to milliseconds.
             pause = 0.0002 if len(self.fences) else 0.002 if quick else POLL_SLICE
-            with self._live_ring().sleeping(LEARNER):  # the handshake of ``staging``
+            with slots.sleeping():  # the handshake of ``staging``
                 if not self._collect():
                     self._poll(min(remaining, pause))
                     self._collect()
             self.next_check = time.perf_counter_ns() + CHECK_EVERY_NS
+
+    def _ready(self, t0: int) -> int | None:
+        """The next slot to deliver, if one is back (the workers' failure raised first, fenced
+        slots handed back, messages and deaths looked at when due): HELD, counted as a batch
+        delivered after a wait since ``t0``."""
+        if time.perf_counter_ns() >= self.next_check:  # (a layer's next() skips take_ready)
+            self._look_around(time.perf_counter_ns())
+        if self.failure is not None:
+            raise self.failure
+        self._reap_fences()
+        self._collect()
+        slots = self._live_slots()
+        slot = slots.pop()
+        if slot is not None:
+            self.occupancy_sum += (slots.ready_count + 1) / self.n_staging
+            slots.delivered(time.perf_counter_ns() - t0)
+        return slot
 
     def _look_around(self, now: int) -> None:
         """Messages and deaths (every ``CHECK_EVERY_NS``: ``next()`` polls only when it waits)."""
@@ -319,25 +314,18 @@ class RingDelivery(Delivery):
         self._poll(0)
 
     def _collect(self) -> int:
-        """Take up the slots workers handed back (READY, or STALE: learner-selected rows were
-        overwritten before the gather) from their STATE words; how many."""
-        ring, book = self.ring, self.book
-        if ring is None or not book.assigned:
+        """Take up the slots workers handed back; those STALE (learner-selected rows were
+        overwritten before the gather) go out again, in their place or at the back. How many
+        came back."""
+        slots = self.slots
+        if slots is None:
             return 0
-        back = book.handed_back(ring.words, ring.state_words)
-        filled, n_workers = self.filled, self.n_workers
-        for slot in back:
-            if self.selects:
-                if ring.state(slot) != READY:  # STALE: its rows were overwritten
-                    if self.rows.stale(slot):  # replaced in its place (epochs)
-                        self._assign(slot, requeue=False)
-                    else:  # a new batch: after those handed out before it
-                        self.book.unassigned(slot)
-                        self._assign(slot)
-                    continue
-            book.append(slot)
-            filled[slot % n_workers] += 1
-        return len(back)
+        back = slots.take_up()
+        if back and self.selects:
+            for slot in slots.stale():
+                # replaced in its place (epochs), or a new batch after those handed out before
+                self._assign(slot, requeue=not self.rows.stale(slot))
+        return back
 
     def _poll(self, timeout: float) -> None:
         """Wait for messages, deaths or a wake-up; handle them."""
@@ -352,22 +340,12 @@ class RingDelivery(Delivery):
         for w in exits:
             self._on_exit(w)
 
-    def _submit_ready(self, stage: DeviceStage, step: int) -> None:
-        """Copy ready slots to the device while device buffers are free; each slot goes back to
-        the workers once its copy has completed."""
-        while stage.can_submit():
-            slot = self._pop_ready()
-            if slot is None:
-                return
-            self.submit_slot(stage, slot, step)
-            self.slot_done(slot)
-
     # -- giving slots back ------------------------------------------------------------------------
-    def slot_done(self, slot: int) -> None:
+    def give_back(self, slot: int) -> None:
         """The learner is done with ``slot``: back to its worker now, or once its fences pass."""
         if self.selects:
             self.rows.done(slot)
-        if self.closing or self.ring is None or self.failure is not None:
+        if self.closing or self.slots is None or self.failure is not None:
             return
         if not self.fences.busy(slot):
             self._assign(slot)
@@ -377,37 +355,39 @@ class RingDelivery(Delivery):
         if not len(self.fences):
             return
         for slot in self.fences.completed(in_order=self.cfg.ordered):
-            if not self.closing and self.ring is not None and self.failure is None:
+            if not self.closing and self.slots is not None and self.failure is None:
                 self._assign(slot)
 
     def _assign(self, slot: int, requeue: bool = True) -> None:
         """Hand ``slot`` to its worker (ASSIGNED), or with learner-selected rows in it
         (ASSIGNED_ROWS; kept after a worker death: queue mode still delivers each row exactly
-        once)."""
-        ring = self.ring
-        assert ring is not None
+        once); ``requeue``: a new place in delivery order, else it keeps its own."""
+        slots = self._live_slots()
         state = ASSIGNED
         if self.selects:
-            rows = self.rows.rows_for(slot, lambda: self.selection.select(
-                self.batch_size, self.selection_rng) if self.may_select() else None)
+            rows = self.rows.rows_for(slot, self._select)
             if rows is None:  # nothing to select now: retried from next()
-                ring.free(slot)
-                self.book.unassigned(slot)  # a new place once it has rows again
+                slots.free(slot)
                 return
-            write_rows(ring.slot(slot), *rows)
+            write_rows(slots.ring.slot(slot), *rows)
             state = ASSIGNED_ROWS
-        generation = self.gen[slot] = next(self.tickets)
-        self.book.handed_out(slot, requeue)
-        owner = slot % self.n_workers
-        if ring.assign(slot, owner, generation, state):  # STATE last; True: it waits (staging)
-            self.children.children[owner].wake(slot, generation)
+        slots.hand_out(slot, state, requeue)
+
+    def _select(self) -> Rows | None:
+        """A batch of rows the selection chooses, if one may be selected now."""
+        return self.selection.select(self.batch_size, self.selection_rng) \
+            if self.may_select() else None
+
+    def _wake(self, worker: int) -> None:
+        """``LearnerRing``'s wake-up of a worker that sleeps (its channel's eventfd)."""
+        self.children.children[worker].wake()
 
     # -- workers ----------------------------------------------------------------------------------
     def _start_worker(self, w: _WorkerHandle, seed: np.random.SeedSequence,
                       fill: list[int]) -> None:
-        """Start (or restart) worker ``w`` and ask it to fill ``fill``."""
+        """Start (or restart) worker ``w`` and ask it to fill ``fill`` (in their places)."""
         self.children.start(w, self.cfg_bytes, w.wid, seed)
-        self._live_ring().stats.set_restarts(self.children.restarts)
+        self._live_slots().ring.stats.set_restarts(self.children.restarts)
         w.hello = False
         for s in fill:
             self._assign(s, requeue=False)
@@ -418,12 +398,9 @@ class RingDelivery(Delivery):
         self._collect()  # what it finished (READY after its last byte) is delivered
         if self.failure is not None:
             return
-        ring = self._live_ring()
         self.children.retire(w)
-        lost = self.book.lose(w.slots)
-        for s in lost:  # half-filled or never started: nobody writes them any more
-            self.gen[s] = next(self.tickets)
-            ring.free(s, self.gen[s])
+        # half-filled or never started: nobody writes them any more
+        lost = self._live_slots().reclaim(w.slots)
         refused = w.restart_refused(self.children, self.buf.name, self.ctx.get_start_method())
         if refused is not None:
             self._fail(refused)
@@ -441,12 +418,13 @@ class RingDelivery(Delivery):
         self.children.stop(timeout)
 
     def close(self, settled: bool, timeout: float) -> None:
-        """Unpin and drop the ring; if device copies may still read it, keep it mapped."""
+        """Drop the ring; if device copies may still read it, keep it mapped."""
         if not settled and self.ring is not None:
             _keep_mapped(self.ring, timeout)
             self.ring = None
-            self.pinned = None  # stays page-locked with its mapping
-        self.taker = None  # (its wake-up and records refer back here: no cycle left)
+        if self.slots is not None:
+            self.slots.close()  # (its take and templates refer back here: no cycle left)
+            self.slots = None
         super().close(settled, timeout)
         if self.ring is not None:
             try:

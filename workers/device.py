@@ -11,7 +11,9 @@ Two hazards, one rule each:
 
 The CUDA specifics sit behind a small ``Backend`` (allocate, copy on the copy stream, record and
 wait for events), so the fencing logic runs in CI against a fake device whose copies happen
-later, exactly when a real DMA would (see tests/test_device.py).
+later, exactly when a real DMA would (see tests/test_device.py). The deliveries that use them:
+``delivery_device`` (``device=``), ``delivery_pinned`` (``pin_memory=True``), and ``Batch.to``
+(``delivery.HostDelivery.batch_to``).
 
 Concurrency: everything here runs in the learner's thread (the pool's owner). Workers never see
 device state; they only see a slot come back to them later than before.
@@ -107,6 +109,13 @@ def page_lock(torch: Any, span: tuple[Any, int, int] | None) -> tuple[Any, int] 
                       stacklevel=7)
         return None
     return torch, ptr
+
+
+def page_unlock(pinned: tuple[Any, int] | None) -> None:
+    """Undo ``page_lock`` (``pinned`` as it returned); nothing for None."""
+    if pinned is not None:
+        torch, ptr = pinned
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class Backend(Protocol):
@@ -333,61 +342,3 @@ def fenced_copy(backend: Backend, arrays: dict[str, Any], on_fence: Callable[[Fe
     finally:  # copies enqueued before a failure still read the slot
         on_fence(backend.record_current())
     return out
-
-
-class _ViewsFreed:
-    """A fence that passes once every NumPy view exported to JAX has been freed.
-
-    JAX keeps an imported DLPack buffer (and so the view behind it) alive until the last
-    computation reading it has completed, even after ``Array.delete()``; the view's finalizer
-    therefore marks the moment the staging memory is no longer read.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.alive = n
-
-    def _freed(self) -> None:
-        self.alive -= 1  # under the GIL, from whichever thread dropped the buffer
-
-    def query(self) -> bool:
-        return self.alive <= 0
-
-
-class JaxViews:
-    """``output="jax"``: zero-copy JAX arrays over a staging slot, fenced by their lifetime.
-
-    ``wrap`` imports a fresh view of each array through DLPack (no copy: the slot's arrays are
-    64-byte aligned) and returns the fence that passes once JAX has let go of all of them: once
-    the learner has dropped every array of the batch and every computation dispatched on them
-    has completed (JAX holds an imported buffer until then). Arrays are not deleted on release:
-    ``Array.delete()`` blocks until pending computations finish, which would make ``next()``
-    wait for the learner's own work. A slot whose arrays the learner keeps stays out of the
-    ring until they are dropped.
-    """
-
-    def __init__(self) -> None:
-        try:
-            import jax
-        except ImportError:
-            raise ImportError("output='jax' needs JAX: pip install jax") from None
-        self.jax = jax
-
-    def wrap(self, arrays: dict[str, np.ndarray], copy: bool = False,
-             host_keys: tuple[str, ...] = ()) -> tuple[dict[str, Any], Fence | None]:
-        """JAX arrays of ``arrays`` and the fence of the memory they alias (None if copied);
-        ``host_keys`` are always copied (small arrays the pool itself keeps referring to)."""
-        import weakref
-
-        if copy:  # private memory that is reused at once (in-process pools): JAX gets copies
-            return {n: self.jax.numpy.array(a) for n, a in arrays.items()}, None
-        fence = _ViewsFreed(len(arrays))
-        out = {}
-        for name, arr in arrays.items():
-            if name in host_keys:  # kept by the pool (update_priorities), so never aliased
-                fence._freed()
-                out[name] = self.jax.numpy.array(arr)
-                continue
-            view = arr[...]  # a fresh object per batch, so its death is this batch's fence
-            weakref.finalize(view, fence._freed)
-            out[name] = self.jax.dlpack.from_dlpack(view)
-        return out, fence

@@ -29,6 +29,7 @@ from shmbuf.window_priority import WindowPriorityTable
 from .batch import Batch
 from .config import Device, Output, PoolConfig, Transform, Workers, legacy_options
 from .delivery import Delivery, PoolParts, device_backend
+from .delivery_layers import layered
 from .delivery_local import InProcessDelivery
 from .delivery_ring import RingDelivery
 from .device import Backend
@@ -155,8 +156,8 @@ class SamplerPool(EpochIteration):
         self._selection = spec.open(buf, compiled)
         parts = PoolParts(buf, cfg, compiled, cfg.output_arrays(compiled), self._selection,
                           backend)
-        delivery = self._delivery = (RingDelivery(parts, ctx) if cfg.n_workers
-                                     else InProcessDelivery(parts))
+        host = RingDelivery(parts, ctx) if cfg.n_workers else InProcessDelivery(parts)
+        delivery = self._delivery = layered(host, parts)  # device copies, JAX arrays, pinning
         parent_only(self)
         self._limit.count_inserts_from_now()
         self._started = time.monotonic()

@@ -10,7 +10,7 @@ Layout after the common shmbuf header page (see ``shmbuf.layout``):
   ``GENERATION`` (a new, larger value every time the slot is handed out or reclaimed: the order
   in which slots were assigned), ``SEQ`` (which batch of its worker it holds); then one line per
   waiter (the learner, then each worker): 1 while that process is about to block or blocked on
-  its channel, else 0 (see ``RingDelivery`` for the wake-up protocol).
+  its channel, else 0 (the handshake below).
 - per-slot data, each slot starting on a page: every array ``[B, *shape]`` 64-byte aligned, in the
   order of the layout document (fields, then ``_indices``, ``_lanes``, ``_weights``...).
 
@@ -37,6 +37,9 @@ side waits for other reasons (deaths, fences, rows to select, liveness) only wit
 dead worker's waiting word may stay 1: its restarted process then gets wake-ups it did not
 need, until its own ``sleeping`` clears the word. The learner (the owner of this segment)
 reclaims a slot from a worker only after that worker's process is gone.
+
+Each side's half is one object: the learner's is ``learner_ring.LearnerRing`` (its hand-outs,
+take-ups and reclaims, in Python or compiled), a worker's ``sampler_proc._Worker``.
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ FREE, ASSIGNED, FILLING, READY, HELD = range(5)
 ASSIGNED_ROWS = 5  # assigned with the rows to gather written into its index arrays
 STALE = 6  # a row to gather was overwritten before it was read: nothing delivered
 STATE_NAMES = ("free", "assigned", "filling", "ready", "held", "gathering", "stale")  # by value
-HANDED_BACK = (READY, STALE)  # what the learner takes up
 WORKER_STATES = (ASSIGNED, ASSIGNED_ROWS)  # what a worker takes up
 LEARNER = 0  # waiter line of the learner; worker ``w`` has line ``1 + w``
 
@@ -167,7 +169,7 @@ class PoolStats:
     def __init__(self, words: memoryview, stats_offset: int) -> None:
         self._words = words
         self._base = stats_offset // 8
-        # (the compiled take counts its batches in these words too: workers/_take_c.c)
+        # (the learner's records name these words: the compiled take counts in them too)
         self.delivered_words = (self._base + L.STAT_BATCHES, self._base + L.STAT_WAIT_NS)
 
     def set_workers(self, n: int) -> None:
@@ -190,9 +192,11 @@ class PoolStats:
 
 
 class StagingRing:
-    """A mapped staging segment: slot views and control words.
+    """A mapped staging segment: slot views and control words, and both halves of the wake-up
+    handshake (``sleeping``, ``wake_needed``).
 
-    Create it in the learner (``create``), attach in workers (``attach``).
+    Create it in the learner (``create``), attach in workers (``attach``). Which words the
+    learner stores, and when, is ``LearnerRing``'s business.
     """
 
     def __init__(self, segment: Segment) -> None:
@@ -206,11 +210,10 @@ class StagingRing:
             raise ClosedError(f"staging segment {segment.name!r} is closed")
         self.words = memoryview(mm).cast("q")
         self.stats = PoolStats(self.words, self.layout.stats_offset)
-        # Word indices of each slot's STATE, OWNER and GENERATION and of each waiting word, for
-        # the per-batch reads and stores.
+        # Word indices of each slot's STATE and GENERATION and of each waiting word, for the
+        # per-batch reads and stores.
         lay = self.layout
         self.state_words = [lay.word(s, W_STATE) for s in range(lay.n_slots)]
-        self.owner_words = [lay.word(s, W_OWNER) for s in range(lay.n_slots)]
         self.generation_words = [lay.word(s, W_GENERATION) for s in range(lay.n_slots)]
         self.waiter_words = [lay.waiter_word(w) for w in range(lay.n_waiters)]
         self._slots: list[dict[str, np.ndarray]] = []
@@ -310,25 +313,6 @@ class StagingRing:
         to) and need a message?"""
         full_fence()
         return bool(self.words[self.waiter_words[waiter]])
-
-    def assign(self, slot: int, owner: int, generation: int, state: int = ASSIGNED) -> bool:
-        """The learner hands ``slot`` to worker ``owner`` (learner-side, while it holds it):
-        ``state`` ASSIGNED (draw a batch) or ASSIGNED_ROWS (gather the rows written into it),
-        stored last. Then the waker's half of the handshake (``wake_needed(1 + owner)``, in
-        this one call): True if the worker sleeps, or is about to, and needs a message."""
-        words = self.words
-        words[self.generation_words[slot]] = generation
-        words[self.owner_words[slot]] = owner
-        words[self.state_words[slot]] = state
-        full_fence()
-        return bool(words[self.waiter_words[1 + owner]])
-
-    def free(self, slot: int, generation: int | None = None) -> None:
-        """``slot`` belongs to nobody (learner-side; ``generation`` bumped on a reclaim)."""
-        if generation is not None:
-            self.set(slot, W_GENERATION, generation)
-        self.set(slot, W_STATE, FREE)
-        self.set(slot, W_OWNER, -1)
 
     def slot_span(self) -> tuple[int, int]:
         """(byte offset, length) of all slot data, e.g. to pin it for async GPU copies."""
