@@ -33,6 +33,7 @@ from .errors import (
 from .limiter import RateLimit
 from .recording import RecordEpisodes, iter_episodes, scan_episodes
 from .spec import Field, Spec
+from .weights import TornReadError, WeightStore
 
 __version__ = "0.1.0"
 
@@ -60,7 +61,9 @@ __all__ = [
     "SpecMismatchError",
     "StaleIndexError",
     "Timeout",
+    "TornReadError",
     "UnsupportedPlatformError",
+    "WeightStore",
     "WorkerDiedError",
     "WorkerError",
     "Writer",

@@ -79,6 +79,7 @@ def _buffer_geometry(info: SegmentInfo) -> tuple[int, int, float | None] | None:
 def _describe(info: SegmentInfo) -> dict[str, Any]:
     geometry = _buffer_geometry(info)
     capacity, lanes, fill = geometry if geometry is not None else (None, None, None)
+    weights = top.read_weights(info)  # a weight store's published version; None for the rest
     header = info.header
     return {
         "name": info.name,
@@ -90,6 +91,7 @@ def _describe(info: SegmentInfo) -> dict[str, Any]:
         "capacity": capacity,
         "lanes": lanes,
         "fill": fill,
+        "version": weights.version if weights is not None else None,
         "created": header.created if header is not None else None,
         "age_s": round(info.age, 3),
         "error": info.error,
@@ -128,7 +130,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             s["name"], s["kind"], _dash(s["owner_pid"]), s["state"], fmt_bytes(s["size"]),
             _dash(s["capacity"]), _dash(s["lanes"]), _dash(s["fill"], lambda f: f"{f:.1%}"),
         ])
-    print(_table(rows, right={2, 4, 5, 6, 7}))
+    if any(s["version"] is not None for s in segments):  # weight stores: their version too
+        rows[0].append("VERSION")
+        for row, s in zip(rows[1:], segments):
+            row.append(_dash(s["version"]))
+    print(_table(rows, right={2, 4, 5, 6, 7, 8}))
     leaked = sum(s["state"] == "leaked" for s in segments)
     if leaked:
         print(f"\n{leaked} leaked segment(s): `shmbuf gc` removes them")
@@ -209,6 +215,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             info["stats"] = buf.stats()
     else:
         info["layout"] = header.doc
+    if kind == layout.KIND_WEIGHTS:
+        from .weights import WeightStore
+
+        with WeightStore.attach(args.name, timeout=args.timeout) as store:
+            info["version"] = store.version
     if args.json:
         print(json.dumps(info, indent=1, default=_json_default))
     else:
@@ -233,6 +244,8 @@ def _format_inspect(info: dict[str, Any]) -> str:
         f"created:  {created} ({age:.0f} s ago)",
         f"size:     {fmt_bytes(info['size'])}",
     ]
+    if "version" in info:  # a weight store
+        out.append(f"version:  {info['version']} (published)")
     if "stats" not in info:
         out.append("layout:")
         out.extend("  " + line for line in json.dumps(info["layout"], indent=2).splitlines())

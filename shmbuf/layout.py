@@ -6,7 +6,8 @@ prefix is ``HEADER`` (one struct, its field offsets ``H_*`` beside it, below):
 - 8 bytes  magic ``b"SHMBUF\\0\\1"``, written last by the creator, so an attacher that sees it
   knows the rest of the header is complete.
 - u32 @ 8  format version (``FORMAT_VERSION``).
-- u32 @ 12 kind: 1 = replay buffer, 2 = staging ring, 3 = priority table (``KIND_NAMES``).
+- u32 @ 12 kind: 1 = replay buffer, 2 = staging ring, 3 = priority table, 4 = weight store
+  (``KIND_NAMES``).
 - u64 @ 16 total size of the segment in bytes.
 - u64 @ 24 owner pid.  u64 @ 32 owner start time (clock ticks since boot, /proc/PID/stat #22).
 - f64 @ 40 creation time (Unix seconds).  u32 @ 48 owner uid.  u32 @ 52 layout JSON length.
@@ -36,10 +37,15 @@ counters (``STAT_*``, u64 words packed in one line, written only by the learner 
 ring, read by ``shmbuf top``), then its slot control lines and slot data; its layout JSON says
 where the control words are (``slot_control``), so readers need not import ``workers``.
 
+A weight store's body (``shmbuf.weights``, whose docstring lays it out byte by byte beside its
+offsets) is a control line, one stamp line per copy and ``WEIGHT_COPIES`` copies of its
+tensors; its layout JSON lists the tensors (``"tensors"``) and the copies (``"copies"``).
+
 All words are little-endian (only little-endian machines are supported). Advisory OFD locks on the
 segment's file (never on its bytes) mark who is alive: ``LOCK_OWNER`` for the creator,
 ``lock_lane(k)`` for lane k's writer, ``LOCK_LIMITER`` for the pool that drives the rate limiter,
-``LOCK_CLEAR`` for whoever stores the lanes' floors (``clear()``, restores).
+``LOCK_CLEAR`` for whoever stores the lanes' floors (``clear()``, restores), ``LOCK_PUBLISHER``
+for a weight store's publisher.
 """
 
 from __future__ import annotations
@@ -57,9 +63,12 @@ FORMAT_VERSION = 2  # 2: the lanes' "cleared below" floors (version 1 shmbufs wo
 KIND_BUFFER = 1
 KIND_STAGING = 2
 KIND_PRIORITY = 3
+KIND_WEIGHTS = 4  # shmbuf.weights.WeightStore
 KIND_NAMES = {KIND_BUFFER: "replay buffer", KIND_STAGING: "staging ring",
-              KIND_PRIORITY: "priority table"}
-KIND_TAGS = {KIND_BUFFER: "buf", KIND_STAGING: "staging", KIND_PRIORITY: "prio"}  # default names
+              KIND_PRIORITY: "priority table", KIND_WEIGHTS: "weight store"}
+KIND_TAGS = {KIND_BUFFER: "buf", KIND_STAGING: "staging", KIND_PRIORITY: "prio",
+             KIND_WEIGHTS: "weights"}  # default names
+WEIGHT_COPIES = 2  # a weight store's copies of its tensors (double buffering; shmbuf.weights)
 
 PAGE = 4096
 LINE = 64
@@ -129,6 +138,7 @@ STAGING_STATS_LINES = 1
 LOCK_OWNER = 1 << 40
 LOCK_LIMITER = LOCK_OWNER + 1
 LOCK_CLEAR = LOCK_OWNER + 2  # held while the lanes' floors (CLEARED_BELOW_WORD) are stored
+LOCK_PUBLISHER = LOCK_OWNER + 3  # a weight store's one publisher (shmbuf.weights)
 LOCK_SAMPLER_BASE = LOCK_OWNER + 1024
 LOCK_LANE_BASE = LOCK_OWNER + (1 << 20)
 
@@ -282,8 +292,10 @@ def _depth(doc: Any) -> int:
 
 # Integer entries a layout document may carry: (lowest, highest) allowed.
 _DOC_INTS = {"capacity": (1, MAX_ROWS), "lanes": (1, MAX_LANES),
-             "episode_capacity": (0, MAX_ROWS), "n_slots": (1, MAX_STAGING_SLOTS)}
-_DOC_REQUIRED = {KIND_BUFFER: ("capacity", "lanes"), KIND_PRIORITY: ("capacity", "lanes")}
+             "episode_capacity": (0, MAX_ROWS), "n_slots": (1, MAX_STAGING_SLOTS),
+             "copies": (WEIGHT_COPIES, WEIGHT_COPIES)}
+_DOC_REQUIRED = {KIND_BUFFER: ("capacity", "lanes"), KIND_PRIORITY: ("capacity", "lanes"),
+                 KIND_WEIGHTS: ("copies", "tensors")}
 
 
 def check_layout_doc(kind: int, doc: Any, total_size: int) -> None:
@@ -325,11 +337,12 @@ def check_layout_doc(kind: int, doc: Any, total_size: int) -> None:
         )
 
 
-_DOC_FIELD_LISTS = ("spec", "episode_spec", "arrays")  # lists of {"name", "shape", "dtype"}
+_DOC_FIELD_LISTS = ("spec", "episode_spec", "arrays", "tensors")  # {"name", "shape", "dtype"}
 # How many rows of each field list a segment holds: the product of these layout entries (an
-# entry a document does not carry counts 1). A staging ring's shapes include the batch axis.
+# entry a document does not carry counts 1). A staging ring's shapes include the batch axis; a
+# weight store holds its tensors once per copy.
 _FIELD_ROWS = {"spec": ("capacity", "lanes"), "episode_spec": ("episode_capacity", "lanes"),
-               "arrays": ("n_slots",)}
+               "arrays": ("n_slots",), "tensors": ("copies",)}
 
 
 def _itemsize(dtype: str) -> int:

@@ -81,8 +81,15 @@ def remove_dead_segments(match: Callable[[SegmentInfo], bool]) -> Reclaimed:
     return Reclaimed(tuple(names), nbytes)
 
 
+POOL_KINDS = (L.KIND_STAGING, L.KIND_PRIORITY)  # the segments a pool makes for its buffer
+
+
 def serves_buffer(info: SegmentInfo, buffer: str) -> bool:
-    """Whether ``info`` is a segment of a pool over buffer ``buffer`` (a staging ring or a
-    priority table: their layouts name the buffer)."""
-    doc = info.header.doc if info.header is not None else None
-    return isinstance(doc, dict) and doc.get("buffer") == buffer
+    """Whether ``info`` is a segment of a pool over buffer ``buffer``: a staging ring or a
+    priority table (``POOL_KINDS``) whose layout names the buffer. Nothing else ever is, so a
+    restarted learner's pool never removes another kind (a weight store its actors read, whose
+    owner died with the learner, waits for that learner to adopt it)."""
+    header = info.header
+    if header is None or header.kind not in POOL_KINDS:
+        return False
+    return isinstance(header.doc, dict) and header.doc.get("buffer") == buffer

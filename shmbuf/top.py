@@ -1,7 +1,8 @@
 """``shmbuf top``: a live view of every buffer and sampler pool of this user, from shared counters.
 
 Buffers are read through ``ReplayBuffer.attach`` (lane words, limiter block); staging rings by
-``pread`` of their stats line and slot states, placed by ``shmbuf.layout`` and their layout JSON.
+``pread`` of their stats line and slot states, placed by ``shmbuf.layout`` and their layout JSON;
+weight stores by ``pread`` of their control line (``shmbuf.weights_layout``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import numpy as np
 
 from . import layout as L
 from .buffer import ReplayBuffer
-from .errors import ShmbufError
+from .errors import SegmentFormatError, ShmbufError
+from .lease import is_locked
 from .limiter import RateLimit
 from .scan import SegmentInfo, open_regular, scan
 from .segment import fmt_bytes
 from .shmdir import SHM_DIR
+from .weights_layout import CURRENT, PUBLISHED_NS, PUBLISHER_PID, tensors_of, weights_layout
 
 MAX_LANES_SHOWN = 16  # per buffer; the rest are summed up in one line
 MAX_CONTROL_LINES = 64  # per staging slot: a document claiming more is not read
@@ -93,6 +96,53 @@ def read_pool(info: SegmentInfo) -> PoolCounters | None:
         workers=int(stats[L.STAT_WORKERS]), reclaimed=int(stats[L.STAT_RECLAIMED]),
         reclaimed_bytes=int(stats[L.STAT_RECLAIMED_BYTES]), adopted=bool(stats[L.STAT_ADOPTED]),
     )
+
+
+@dataclass(frozen=True)
+class WeightCounters:
+    """What a weight store's control line says (``shmbuf.weights_layout``), read by ``pread``."""
+
+    name: str
+    owner_pid: int
+    alive: bool  # owner lease held
+    version: int  # newest complete version, 0 before the first publish
+    publisher_pid: int  # 0: never published
+    publisher_alive: bool  # publisher lease held
+    published_ns: int  # time.time_ns() of the last publish
+    tensors: int
+    parameters: int
+
+
+def read_weights(info: SegmentInfo) -> WeightCounters | None:
+    """The counters of the weight store ``info`` (nothing mapped); None for another kind or a
+    layout that cannot be understood (it is only shown, never acted on)."""
+    header = info.header
+    if header is None or header.kind != L.KIND_WEIGHTS:
+        return None
+    try:
+        lay = weights_layout(tensors_of(info.name, header.doc),
+                             len(L.encode_layout(header.doc)))
+    except (SegmentFormatError, KeyError, TypeError, ValueError):
+        return None
+    fd = open_regular(os.path.join(SHM_DIR, info.name)) if lay.total_size == info.size else None
+    if fd is None:
+        return None
+    try:
+        raw = os.pread(fd, L.LINE, lay.control)
+        publisher_alive = is_locked(fd, L.LOCK_PUBLISHER)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) != L.LINE:
+        return None
+    words = np.frombuffer(raw, "<i8")
+    return WeightCounters(
+        name=info.name, owner_pid=header.owner_pid, alive=info.alive,
+        version=int(words[CURRENT]), publisher_pid=int(words[PUBLISHER_PID]),
+        publisher_alive=publisher_alive, published_ns=int(words[PUBLISHED_NS]),
+        tensors=len(lay.tensors),
+        parameters=sum(int(np.prod(t.shape, dtype=np.int64)) for t in lay.tensors))
 
 
 def limiter_state(limiter: dict[str, Any], batch_size: int = 1) -> str:
@@ -179,6 +229,25 @@ class Top:
                 took = "; took over a dead learner's priorities" if p.adopted else ""
                 out.append(f"  reclaimed {p.reclaimed} segment(s) of dead learners "
                            f"({fmt_bytes(p.reclaimed_bytes)}){took}")
+        out.extend(self._weights_lines(infos, now))
+        return out
+
+    def _weights_lines(self, infos: list[SegmentInfo], now: float) -> list[str]:
+        """The weight stores, if any: version, publishes/s since the last frame, last publish."""
+        stores = [w for i in infos if (w := read_weights(i)) is not None]
+        if not stores:
+            return []
+        out = ["", f"{'WEIGHTS':<28} {'VERSION':>10} {'PUBLISH/S':>10} {'LAST':>10}  "
+                   f"{'PUBLISHER':<16} {'OWNER':<13} TENSORS"]
+        for w in stores:
+            rate, _ = self._rate(w.name, now, w.version)
+            last = (f"{max(0, time.time_ns() - w.published_ns) / 1e9:.1f}s ago"
+                    if w.published_ns else "never")
+            publisher = (f"{w.publisher_pid} {'alive' if w.publisher_alive else 'gone'}"
+                         if w.publisher_pid else "-")
+            owner = f"{w.owner_pid} {'alive' if w.alive else 'dead'}"
+            out.append(f"{w.name:<28} {w.version:>10} {rate:>10.1f} {last:>10}  "
+                       f"{publisher:<16} {owner:<13} {w.tensors} ({w.parameters} parameters)")
         return out
 
     def _buffer_lines(self, info: SegmentInfo, now: float, batch_size: int) -> list[str]:

@@ -485,7 +485,7 @@ def _plain(fn: Callable[[shmbuf.ReplayBuffer, Any], Any]) -> Callable[..., Any]:
 def _pool(buf: shmbuf.ReplayBuffer, **kw: Any) -> Any:
     from workers import SamplerPool
 
-    return SamplerPool(buf, batch_size=1, n_workers=0, **kw)
+    return SamplerPool(buf, batch_size=1, workers=0, **kw)
 
 
 @contextmanager
@@ -748,7 +748,7 @@ def test_import_installs_cleanup_only_where_the_default_action_would_terminate()
 # Item 15 (part): kind names, names, inodes
 # --------------------------------------------------------------------------------------------
 def test_every_kind_has_one_name_used_by_ls_and_inspect(capsys):
-    assert set(L.KIND_NAMES) == {L.KIND_BUFFER, L.KIND_STAGING, L.KIND_PRIORITY}
+    assert set(L.KIND_NAMES) == {L.KIND_BUFFER, L.KIND_STAGING, L.KIND_PRIORITY, L.KIND_WEIGHTS}
     doc = {"kind": "priorities", "buffer": "shmbuf-x", "lanes": 1, "capacity": 8, "alpha": 0.6,
            "eps": 1e-6}
     seg = Segment.create(_name("prio"), L.KIND_PRIORITY, doc, L.header_size)
