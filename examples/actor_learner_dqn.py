@@ -6,8 +6,9 @@ replay buffer while a plain torch DQN learner trains from a ``SamplerPool``.
   Q-network. They record each episode's return with ``end_episode(**{"return": ...})``.
 - The learner's weights reach the actors through a second, tiny shmbuf buffer (one row per
   published version): a reader never sees a half-written row, so no lock is needed.
-- ``samples_per_insert`` paces the actors to the learner (Reverb-style), so the ratio of
-  updates to environment steps stays what it is set to, however fast either side runs.
+- ``limit=RateLimit(min_size, samples_per_insert, tolerance)`` paces the actors to the learner
+  (Reverb-style), so the ratio of updates to environment steps stays what it is set to, however
+  fast either side runs.
 
 Run: ``python examples/actor_learner_dqn.py --seconds 30`` (needs torch and gymnasium:
 ``pip install -e '.[torch,gym]'``). It prints progress every couple of seconds and a final line
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 import shmbuf
 from workers import ActorGroup, SamplerPool
+from workers.config import Workers
 
 OBS_DIM, N_ACTIONS = 4, 2  # CartPole-v1
 
@@ -127,7 +129,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     qnet, target = q_network(), q_network()
     target.load_state_dict(qnet.state_dict())
     optimizer = torch.optim.Adam(qnet.parameters(), lr=args.learning_rate)
-    limit = (args.samples_per_insert, max(20 * args.batch_size, args.samples_per_insert))
+    limit = shmbuf.RateLimit(args.learning_starts, args.samples_per_insert,
+                             max(20 * args.batch_size, args.samples_per_insert))
     with shmbuf.ReplayBuffer.create(spec, args.buffer_size, lanes=args.actors,
                                     episode_spec={"return": ((), "float32")}) as buf, \
             shmbuf.ReplayBuffer.create({"params": ((n_params(),), "float32")}, 4) as board, \
@@ -139,9 +142,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         actor = make_actor(board.name, args.actors, args.explore_steps)
         with ActorGroup(actor, args.actors, buf, start_method=args.start_method,
                         seed=args.seed) as actors, \
-                SamplerPool(buf, batch_size=args.batch_size, n_workers=1, seed=args.seed,
-                            min_size=args.learning_starts, samples_per_insert=limit,
-                            output="torch", start_method=args.start_method) as pool:
+                SamplerPool(buf, batch_size=args.batch_size, limit=limit,
+                            workers=Workers(1, start_method=args.start_method), output="torch",
+                            seed=args.seed) as pool:
             t0 = next_report = time.monotonic()
             first = None
             updates, loss = 0, float("nan")

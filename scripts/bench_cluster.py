@@ -47,6 +47,7 @@ from shmbuf.limiter import RateLimit  # noqa: E402
 from workers import SamplerPool  # noqa: E402
 from workers.cluster import ReplayCluster, current_node_id, on_node  # noqa: E402
 from workers.cluster_demo import start_local_cluster  # noqa: E402
+from workers.config import Workers  # noqa: E402
 
 WORKLOADS: dict[str, dict[str, Any]] = {"atari": {"obs": ((4, 84, 84), "uint8")},
                                          "mujoco": {"obs": ((42,), "float32")}}
@@ -194,7 +195,8 @@ def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool
             b.close()
     with ReplayBuffer.create(Spec(spec), cap) as buf:
         benchlib.fill_repeating(buf, rows_for(buf.spec, 1024), BATCH * 4)
-        with SamplerPool(buf, BATCH, n_workers=1, start_method="forkserver", seed=0) as pool:
+        with SamplerPool(buf, BATCH, workers=Workers(1, start_method="forkserver"),
+                         seed=0) as pool:
             add("local pool, 1 writer",
                 with_writers([(nodes[0], buf.name, "name")], spec, seconds,
                              lambda s: rate(pool.next, s)))
@@ -223,7 +225,8 @@ def bench_cluster(spec: dict, nodes: list[str], cap: int, seconds: float,
         def inserts() -> int:  # every node's rows, as the hosts read them now
             return sum(i["committed"] for i in cluster.info().values())
 
-        with cluster.sampler(BATCH, seed=0, samples_per_insert=spi) as sampler:
+        limit = RateLimit(1, *spi) if spi is not None else None
+        with cluster.sampler(BATCH, limit=limit, seed=0) as sampler:
             def learn(s: float) -> dict[str, Any]:
                 sampler.next()
                 st0 = sampler.stats()

@@ -35,6 +35,7 @@ except ModuleNotFoundError:
     import benchlib
 from shmbuf import ReplayBuffer, Spec
 from workers import SamplerPool
+from workers.config import Device, Output
 
 WORKLOADS = {
     "atari": dict(obs=((4, 84, 84), "uint8"), action=((), "int64"), reward=((), "float32"),
@@ -95,16 +96,18 @@ def run_case(workload: str, B: int, args: argparse.Namespace, torch: Any, device
         rows["buf.sample + .to(device)"], _ = timed(torch, device, args.seconds, sample_then_copy)
 
         for n_workers in args.workers:
-            with SamplerPool(buf, batch_size=B, n_workers=n_workers, seed=0, output="torch",
-                             pin_memory=device.type == "cuda", timeout=60) as pool:
+            with SamplerPool(buf, batch_size=B, workers=n_workers,
+                             output=Output("torch", pin_memory=device.type == "cuda"), seed=0,
+                             timeout=60) as pool:
                 def pinned_pool() -> None:
                     batch = pool.next()
                     for k in names:
                         batch[k].to(device, non_blocking=True)
                 rows[f"pool pinned + .to, {n_workers} workers"], _ = timed(
                     torch, device, args.seconds, pinned_pool)
-            with SamplerPool(buf, batch_size=B, n_workers=n_workers, seed=0, device=device,
-                             device_prefetch=args.prefetch, timeout=60) as pool:
+            with SamplerPool(buf, batch_size=B, workers=n_workers,
+                             device=Device(device, prefetch=args.prefetch), seed=0,
+                             timeout=60) as pool:
                 pool.next()
                 key = f"pool device=, {n_workers} workers"
                 s0 = pool.stats()

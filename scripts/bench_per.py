@@ -39,8 +39,9 @@ from per_mp_peer import cpprb_mp_under_load
 import benchlib
 from benchlib import TimedCase
 from shmbuf import ReplayBuffer, Spec
-from shmbuf.sampling import sumtree
+from shmbuf.sampling import Plan, sumtree
 from workers import SamplerPool
+from workers.selection import Prioritized
 
 ALPHA, BETA, B, COLUMNS, CHUNK = 0.6, 0.4, 256, 42, 64
 TD_POOL = 64  # distinct |TD| arrays cycled through (the RNG is not what is measured)
@@ -53,8 +54,8 @@ def tds(rng: np.random.Generator) -> list[np.ndarray]:
 
 
 def prioritized(buf: ReplayBuffer) -> SamplerPool:
-    return SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60,
-                       sampler="prioritized", alpha=ALPHA, beta=BETA)
+    return SamplerPool(buf, batch_size=B, selection=Prioritized(alpha=ALPHA, beta=BETA),
+                       workers=0, seed=0, timeout=60)
 
 
 def learner_step(pool: SamplerPool, errors: list[np.ndarray]) -> Callable[[], None]:
@@ -166,7 +167,7 @@ def scale(sizes: list[int], seconds: float) -> dict[str, float]:
     out = {}
     for rows in sizes:
         with filled(rows) as buf, prioritized(buf) as pool, SamplerPool(
-                buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
+                buf, batch_size=B, workers=0, seed=0, timeout=60) as uniform:
             t0 = time.perf_counter()
             pool.next()
             first = time.perf_counter() - t0
@@ -267,7 +268,7 @@ def under_load(rows: int, seconds: float) -> dict[str, Any]:
                 out[label]["quiet"] = quiet_rates[-1]
                 out[label]["quiet_cpu_ms_per_batch"] = quiet_cpu
             out["quiet"] = statistics.median(quiet_rates)
-        with SamplerPool(buf, n_workers=0, batch_size=B, seed=0, timeout=60) as uniform:
+        with SamplerPool(buf, batch_size=B, workers=0, seed=0, timeout=60) as uniform:
             for rate in RATES:
                 label = "flat out" if rate is None else f"{rate:.0f}"
                 quiet_uniform = benchlib.rate_for(uniform.next, seconds / 2)
@@ -288,8 +289,8 @@ def with_workers(rows: int, workers: list[int], seconds: float) -> dict[str, flo
     errors = tds(np.random.default_rng(1))
     out: dict[str, float] = {}
     with filled(rows) as buf:
-        pools = [SamplerPool(buf, n_workers=w, batch_size=B, seed=0, timeout=60,
-                             sampler="prioritized", alpha=ALPHA, beta=BETA) for w in workers]
+        pools = [SamplerPool(buf, batch_size=B, selection=Prioritized(alpha=ALPHA, beta=BETA),
+                             workers=w, seed=0, timeout=60) for w in workers]
         try:
             cases = []
             for w, pool in zip(workers, pools):
@@ -345,11 +346,11 @@ def sequences(rows: int, rounds: int, seconds: float) -> dict[str, Any]:
         for length in (16, 80):
             td = [np.abs(np.random.default_rng(k).standard_normal((SEQ_B, length)))
                   for k in range(TD_POOL)]
-            with SamplerPool(buf, n_workers=0, batch_size=SEQ_B, seed=0, timeout=60,
-                             sampler="prioritized", alpha=ALPHA, beta=BETA,
-                             sequence_length=length) as per, \
-                 SamplerPool(buf, n_workers=0, batch_size=SEQ_B, seed=0, timeout=60,
-                             sequence_length=length) as uniform:
+            with SamplerPool(buf, batch_size=SEQ_B, selection=Prioritized(alpha=ALPHA, beta=BETA),
+                             plan=Plan(sequence_length=length), workers=0, seed=0,
+                             timeout=60) as per, \
+                 SamplerPool(buf, batch_size=SEQ_B, plan=Plan(sequence_length=length), workers=0,
+                             seed=0, timeout=60) as uniform:
                 t0 = time.perf_counter()
                 per.next()
                 first = time.perf_counter() - t0

@@ -42,6 +42,7 @@ except ModuleNotFoundError:  # imported as scripts.bench_pool or by path: benchl
 from benchlib import busy, calls_for, median_seconds, random_rows, rate_for
 from shmbuf import ReplayBuffer, Spec
 from workers import ActorContext, ActorGroup, SamplerPool
+from workers.config import Workers
 
 WORKLOADS = {
     "atari": dict(obs=((4, 84, 84), "uint8"), next_obs=((4, 84, 84), "uint8"),
@@ -85,7 +86,7 @@ def learner_cost(buf: ReplayBuffer, batch: int, workers: int, n: int) -> dict[st
     for _ in range(10):
         buf.sample(batch, rng)
     t_sample = median_seconds(lambda: buf.sample(batch, rng), n)
-    with SamplerPool(buf, batch_size=batch, n_workers=workers, n_staging=2 * workers + 2,
+    with SamplerPool(buf, batch_size=batch, workers=Workers(workers, staging=2 * workers + 2),
                      seed=0) as pool:
         for _ in range(2 * workers + 2):
             pool.next()
@@ -101,7 +102,7 @@ def sleep_wake(buf: ReplayBuffer, batch: int, workers: int, n: int,
     share of calls that had to wake a worker: the held slot's worker was blocked (read before
     the timed call, from its waiting word)."""
     times, woke = [], 0
-    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+    with SamplerPool(buf, batch_size=batch, workers=workers, seed=0) as pool:
         for _ in range(2 * workers + 2):
             pool.next()
         d: Any = pool._delivery  # (a RingDelivery holding the last batch)
@@ -124,7 +125,7 @@ def timeout_forms(buf: ReplayBuffer, batch: int, workers: int, n: int, rounds: i
     its own). The p50 of each form over all its calls, and their ratio."""
     plain: list[float] = []
     timed: list[float] = []
-    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+    with SamplerPool(buf, batch_size=batch, workers=workers, seed=0) as pool:
         for _ in range(2 * workers + 2):
             pool.next()
         for _ in range(rounds):
@@ -224,7 +225,7 @@ def training_loop(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -
     rng = np.random.default_rng(2)
     t_sample = median_seconds(lambda: buf.sample(batch, rng), 50)
     rates: dict[str, list[float]] = {"in_process": [], "pool": []}
-    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+    with SamplerPool(buf, batch_size=batch, workers=workers, seed=0) as pool:
 
         def in_process_step() -> None:
             busy(t_sample)
@@ -248,7 +249,7 @@ def warm(pool: SamplerPool, seconds: float) -> None:
 
 
 def pool_rate(buf: ReplayBuffer, batch: int, workers: int, seconds: float) -> float:
-    with SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+    with SamplerPool(buf, batch_size=batch, workers=workers, seed=0) as pool:
         warm(pool, seconds)
         return rate_for(pool.next, seconds)
 
@@ -346,7 +347,7 @@ def with_actor(capacity: int, batch: int, workers: int, seconds: float, rate: fl
                                 lane=1)
         actor = functools.partial(inserting_actor, rate=rate)
         with ActorGroup(actor, 1, buf, lanes=[0]) as group, \
-                SamplerPool(buf, batch_size=batch, n_workers=workers, seed=0) as pool:
+                SamplerPool(buf, batch_size=batch, workers=workers, seed=0) as pool:
             # Steady state: the actor has written a whole lap (its first touch of every page of
             # its lane is behind it) and the workers have read for a while.
             deadline = time.perf_counter() + 120

@@ -32,8 +32,11 @@ import benchlib
 from benchlib import TimedCase, busy
 from shmbuf import ReplayBuffer, Spec
 from workers import SamplerPool
+from workers.config import Workers
+from workers.selection import Prioritized
 
 ALPHA, BETA = 0.6, 0.4
+FS = "forkserver"  # workers' start method: they do not inherit cpprb's copy of the data
 TD_POOL = 64  # distinct |TD| arrays cycled through (the RNG is not what is measured)
 
 WORKLOADS = {
@@ -167,16 +170,15 @@ def bench_workload(name: str, capacity: int, rounds: int, seconds: float, n_work
         benchlib.fill_repeating(buf, chunk, capacity)
         for B in wl["batches"]:
             tds = [np.abs(rng.standard_normal(B)) for _ in range(TD_POOL)]
-            # Workers start from a forkserver: they do not inherit cpprb's copy of the data.
-            common = dict(batch_size=B, seed=0, timeout=60, start_method="forkserver")
+            common = dict(batch_size=B, seed=0, timeout=60)
+            per = Prioritized(alpha=ALPHA, beta=BETA)
             pools = {
-                "uniform": SamplerPool(buf, n_workers=0, **common),
-                "prioritized": SamplerPool(buf, n_workers=0, sampler="prioritized",
-                                           alpha=ALPHA, beta=BETA, **common),
-                "uniform workers": SamplerPool(buf, n_workers=n_workers, **common),
-                "prioritized workers": SamplerPool(buf, n_workers=n_workers,
-                                                   sampler="prioritized", alpha=ALPHA, beta=BETA,
-                                                   **common),
+                "uniform": SamplerPool(buf, workers=0, **common),
+                "prioritized": SamplerPool(buf, selection=per, workers=0, **common),
+                "uniform workers": SamplerPool(buf, workers=Workers(n_workers, start_method=FS),
+                                               **common),
+                "prioritized workers": SamplerPool(
+                    buf, selection=per, workers=Workers(n_workers, start_method=FS), **common),
             }
             try:
                 for p in pools.values():  # first batch: the prioritized trees are filled here

@@ -503,9 +503,9 @@ def keepup_workload(wl: Workload, capacity: int, rounds: int, seconds: float) ->
                                                           np.random.default_rng(0)), capacity)
         rng = np.random.default_rng(4)
         with ActorGroup(keepup_actor, 1, buf, lanes=[0]) as actors, \
-                SamplerPool(buf, KEEPUP_BATCH, n_workers=4, seed=1) as pool4, \
-                SamplerPool(buf, KEEPUP_BATCH, n_workers=4, seed=2) as niced, \
-                SamplerPool(buf, KEEPUP_BATCH, n_workers=1, seed=3) as pool1:
+                SamplerPool(buf, KEEPUP_BATCH, workers=4, seed=1) as pool4, \
+                SamplerPool(buf, KEEPUP_BATCH, workers=4, seed=2) as niced, \
+                SamplerPool(buf, KEEPUP_BATCH, workers=1, seed=3) as pool1:
             for pid in niced.worker_pids:  # the scheduler then favours the actor
                 os.setpriority(os.PRIO_PROCESS, pid, NICE)
             phases = [Phase("alone", idle), Phase("4 workers", taking(pool4.next)),

@@ -25,9 +25,10 @@ import numpy as np
 from chaos_checks import BatchChecker
 from chaos_modes import LEDGER_EPOCH, LEDGER_NONE, MODES, Mode, row_scheme
 
-from shmbuf import ReplayBuffer
+from shmbuf import RateLimit, ReplayBuffer
 from shmbuf.errors import Timeout
 from workers import SamplerPool
+from workers.config import Workers
 
 WORKERS_EVERY = 0.2  # seconds between looks at the worker pids
 WAIT_SLICE = 0.25  # seconds next() waits before the learner looks for the harness's orders
@@ -109,10 +110,10 @@ def run(cfg: dict[str, Any], sock: socket.socket) -> None:
     seq = 0
     with ReplayBuffer.attach(cfg["buffer"]) as buf:
         lo_before = buf.windows().lo.tolist()
-        with SamplerPool(buf, batch_size=cfg["batch_size"], n_workers=cfg["workers"],
-                         seed=cfg["seed"], start_method=cfg["start_method"],
-                         min_size=cfg["batch_size"], max_restarts_per_minute=10_000,
-                         **mode.pool) as pool:
+        with SamplerPool(buf, batch_size=cfg["batch_size"], limit=RateLimit(cfg["batch_size"]),
+                         workers=Workers(cfg["workers"], start_method=cfg["start_method"],
+                                         max_restarts_per_minute=10_000),
+                         seed=cfg["seed"], **mode.pool) as pool:
             workers = pool.worker_pids
             ch.send(sock, ch.READY, workers=workers, lo_before=lo_before,
                     lo_after=buf.windows().lo.tolist())

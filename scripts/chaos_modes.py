@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests._helpers
+from shmbuf.sampling import Plan  # noqa: E402
 from tests._helpers.rows import FRAME_WORDS, RowScheme  # noqa: E402
+from workers.selection import Counted, Epoch, Prioritized, Queue, Uniform  # noqa: E402
 
 SEQUENCE_LENGTH = 8
 FRAME_STACK = 4
@@ -25,9 +27,9 @@ LEDGER_NONE, LEDGER_QUEUE, LEDGER_EPOCH, LEDGER_MAX_TIMES = "", "queue", "epoch"
 
 @dataclass(frozen=True)
 class Mode:
-    """One mode: the buffer (``derived``: ``next_obs="derived"``), the pool's keyword arguments,
-    the batch shape the checks expect (``shape``: "rows", "sequences" or "stacks"), and the
-    ledger the harness keeps of the rows delivered."""
+    """One mode: the buffer (``derived``: ``next_obs="derived"``), the pool's keyword arguments
+    (``selection`` and ``plan``), the batch shape the checks expect (``shape``: "rows",
+    "sequences" or "stacks"), and the ledger the harness keeps of the rows delivered."""
 
     name: str
     pool: dict[str, Any] = field(default_factory=dict)
@@ -37,28 +39,31 @@ class Mode:
 
     @property
     def prioritized(self) -> bool:
-        return self.pool.get("sampler") == "prioritized"
+        return isinstance(self.pool.get("selection"), Prioritized)
 
     @property
     def cross_episodes(self) -> bool:
-        return bool(self.pool.get("cross_episodes", False))
+        plan = self.pool.get("plan")
+        return plan is not None and plan.cross_episodes
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("uniform", {"sampler": "uniform"}),
-    Mode("prioritized", {"sampler": "prioritized"}),
-    Mode("queue", {"sampler": "queue"}, ledger=LEDGER_QUEUE),
+    Mode("uniform", {"selection": Uniform()}),
+    Mode("prioritized", {"selection": Prioritized()}),
+    Mode("queue", {"selection": Queue()}, ledger=LEDGER_QUEUE),
     # windows that may run past an episode's end, masked (uniform draws) ...
-    Mode("sequences", {"sampler": "uniform", "sequence_length": SEQUENCE_LENGTH,
-                       "cross_episodes": True}, derived=True, shape="sequences"),
-    # ... and strict ones (R2D2): never across an episode's end
-    Mode("prioritized-sequences", {"sampler": "prioritized", "sequence_length": SEQUENCE_LENGTH},
+    Mode("sequences", {"selection": Uniform(),
+                       "plan": Plan(sequence_length=SEQUENCE_LENGTH, cross_episodes=True)},
          derived=True, shape="sequences"),
-    Mode("framestack-nstep", {"sampler": "uniform", "frame_stack": FRAME_STACK, "n_step": N_STEP,
-                              "gamma": GAMMA}, derived=True, shape="stacks"),
-    Mode("epoch", {"sampler": "epoch", "drop_last": False}, ledger=LEDGER_EPOCH),
-    Mode("max-times", {"sampler": "uniform", "max_times_sampled": MAX_TIMES},
-         ledger=LEDGER_MAX_TIMES),
+    # ... and strict ones (R2D2): never across an episode's end
+    Mode("prioritized-sequences", {"selection": Prioritized(),
+                                   "plan": Plan(sequence_length=SEQUENCE_LENGTH)},
+         derived=True, shape="sequences"),
+    Mode("framestack-nstep", {"selection": Uniform(),
+                              "plan": Plan(frame_stack=FRAME_STACK, n_step=N_STEP, gamma=GAMMA)},
+         derived=True, shape="stacks"),
+    Mode("epoch", {"selection": Epoch(drop_last=False)}, ledger=LEDGER_EPOCH),
+    Mode("max-times", {"selection": Counted(MAX_TIMES)}, ledger=LEDGER_MAX_TIMES),
 )}
 
 

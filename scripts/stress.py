@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shmbuf import ReplayBuffer, Spec
+from shmbuf import RateLimit, ReplayBuffer, Spec
 from shmbuf.errors import Timeout
 from shmbuf.scan import scan
 from workers import ActorContext, ActorGroup, SamplerPool
+from workers.config import Workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests._helpers
 from tests._helpers.rows import RowScheme
@@ -203,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     with ReplayBuffer.create(spec, capacity=args.capacity, lanes=args.actors) as buf, \
             ActorGroup(actor, args.actors, buf, start_method=args.start_method, seed=args.seed,
                        max_restarts_per_minute=10_000) as group, \
-            SamplerPool(buf, batch_size=args.batch_size, n_workers=args.workers,
-                        start_method=args.start_method, seed=args.seed, min_size=args.batch_size,
-                        max_restarts_per_minute=10_000, timeout=args.hang_timeout,
-                        sampler=args.sampler) as pool:
+            SamplerPool(buf, batch_size=args.batch_size, selection=args.sampler,
+                        limit=RateLimit(args.batch_size),
+                        workers=Workers(args.workers, start_method=args.start_method,
+                                        max_restarts_per_minute=10_000),
+                        seed=args.seed, timeout=args.hang_timeout) as pool:
         next_kill = time.monotonic() + args.kill_every if args.kill_every > 0 else float("inf")
         next_report = time.monotonic() + 2.0
         while time.monotonic() - t0 < args.seconds:

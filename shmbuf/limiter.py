@@ -357,7 +357,7 @@ class Limiter:
             lease.close()
             raise ShmbufError(
                 f"another SamplerPool already rate-limits buffer {self._segment.name!r}; only "
-                f"one pool may set samples_per_insert or sampler='queue' on a buffer at a time"
+                f"one pool may set a RateLimit ratio or selection=Queue() on a buffer at a time"
             )
         return lease
 

@@ -153,7 +153,7 @@ class PriorityTable:
     def create(cls, buf: ReplayBuffer, alpha: float = 0.6, eps: float = 1e-6, *,
                counted: bool = False, plan: dict[str, Any] | None = None,
                adopt: bool = False) -> PriorityTable:
-        """A new table for ``buf``'s learner (``counted``: a ``max_times_sampled`` pool's, whose
+        """A new table for ``buf``'s learner (``counted``: a ``Counted(k)`` pool's, whose
         counts live in its learner's memory; ``plan``: a window table's plan). With ``adopt``,
         a table a dead learner left with the same document is taken over instead, if one is
         there (an atomic claim of its owner lease: of two pools opening at once, one adopts

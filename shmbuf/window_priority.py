@@ -24,10 +24,10 @@ JUDGE_CELLS = 1 << 20  # starts judged together x probe rows per start: bounds s
 
 
 def checked_eta(eta: Any) -> float:
-    """``eta`` as a float in [0, 1], else ``ValueError`` naming it (``priority_eta``)."""
+    """``eta`` as a float in [0, 1], else ``ValueError`` naming it."""
     value = float(eta)
     if not 0.0 <= value <= 1.0:  # (NaN fails too)
-        raise ValueError(f"priority_eta must be in [0, 1] (R2D2 uses 0.9), got {eta!r}")
+        raise ValueError(f"eta must be in [0, 1] (R2D2 uses {R2D2_ETA}), got {eta!r}")
     return value
 
 

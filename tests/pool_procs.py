@@ -248,10 +248,11 @@ def learner_main(conn: Any, start_method: str, n_workers: int, starved: bool = F
     killed (SIGKILL: no cleanup of any kind runs). ``starved``: the buffer stays below
     ``min_size``, so the workers are waiting to sample when the learner dies."""
     from workers import SamplerPool
+    from workers.config import Workers
 
     buf = new_buffer(capacity=128, lanes=2)
-    pool = SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method, seed=1,
-                       min_size=10_000 if starved else 1)
+    pool = SamplerPool(buf, batch_size=8, limit=shmbuf.RateLimit(10_000 if starved else 1),
+                       workers=Workers(n_workers, start_method=start_method), seed=1)
     if starved:
         deadline = time.monotonic() + 30
         while not all(w.hello for w in pool._delivery.workers()):  # every worker set up and waiting
@@ -278,9 +279,17 @@ def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_bat
     many batches, keeping the last; ``priorities``: sets them for rows 0.. of lane 0), reports
     its pid, staging ring, priority table, workers, the ``(lanes, indices)`` of the batches it
     took and its stats, then waits to be killed (no cleanup of any kind runs)."""
-    from workers import SamplerPool
+    import dataclasses
 
-    pool = SamplerPool(buffer_name, start_method=start_method, **pool_kwargs)
+    from workers import SamplerPool
+    from workers.config import Workers
+
+    pool_kwargs = dict(pool_kwargs)
+    workers = pool_kwargs.pop("workers", None)  # a number, or Workers(...) without the method
+    if not isinstance(workers, Workers):
+        workers = Workers(workers)
+    pool = SamplerPool(buffer_name, workers=dataclasses.replace(workers, start_method=start_method),
+                       **pool_kwargs)
     taken = []
     for _ in range(max(take, int(hold_a_batch))):
         batch = pool.next(timeout=30)
@@ -302,7 +311,8 @@ def pool_process_main(conn: Any, buffer_name: str, start_method: str, hold_a_bat
 def pool_process(buf: shmbuf.ReplayBuffer | str, start_method: str, hold_a_batch: bool = False,
                  take: int = 0, priorities: list[float] | None = None, **pool_kwargs: Any
                  ) -> Iterator[tuple[Any, dict]]:
-    """A spawned ``pool_process_main`` over ``buf`` (``SamplerPool(**pool_kwargs)``), started
+    """A spawned ``pool_process_main`` over ``buf`` (``SamplerPool(**pool_kwargs)``, its
+    ``workers`` a number or ``Workers(...)``, run under ``start_method``), started
     and reported; yields (process, its report). On the way out the process, then its workers
     and the staging ring and priority table it leaks when killed, are cleaned up."""
     import multiprocess
@@ -330,8 +340,11 @@ def limiting_pool_process(buf: shmbuf.ReplayBuffer, start_method: str
                           ) -> contextlib.AbstractContextManager[tuple[Any, dict]]:
     """A ``pool_process`` whose pool rate-limits ``buf`` (batch 8, ratio 8, tolerance 32,
     min_size 32) and holds a batch."""
-    return pool_process(buf, start_method, hold_a_batch=True, batch_size=8, n_workers=1,
-                        n_staging=2, samples_per_insert=(8.0, 32), min_size=32, seed=0)
+    from workers.config import Workers
+
+    return pool_process(buf, start_method, hold_a_batch=True, batch_size=8,
+                        workers=Workers(1, staging=2), limit=shmbuf.RateLimit(32, 8.0, 32),
+                        seed=0)
 
 
 def actor_parent_main(conn: Any, start_method: str, n_actors: int) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf import RateLimit
 from shmbuf.scan import scan
 from shmbuf.shmdir import unlink
 from tests import pool_procs as procs
@@ -172,8 +173,7 @@ def test_stop_ends_actors_blocked_by_the_rate_limiter(start_method):
     from workers import SamplerPool
 
     with procs.new_buffer(capacity=512, lanes=2, rows=16) as buf, \
-         SamplerPool(buf, batch_size=8, n_workers=0, min_size=32,
-                     samples_per_insert=(4.0, 32)) as pool:
+         SamplerPool(buf, batch_size=8, limit=RateLimit(32, 4.0, 32), workers=0) as pool:
         assert pool.n_workers == 0
         with ActorGroup(functools.partial(procs.lane_writer, chunk=2), 2, buf,
                         start_method=start_method) as group:

@@ -18,6 +18,7 @@ from shmbuf import layout as L
 from tests import clear_procs
 from tests._helpers.processes import reporting_child
 from tests.pool_procs import SPEC, assert_batch_ok, bad_rows, fill, make_row
+from workers.config import Workers
 
 pytestmark = pytest.mark.timeout(120)
 C = 512
@@ -146,8 +147,9 @@ def test_a_pool_across_the_clear_delivers_older_rows_only_in_prefetched_batches(
     with shmbuf.ReplayBuffer.create(SPEC, capacity=C, lanes=2) as buf:
         fill(buf, C, lanes=[1])
         with writer_child(mp, clear_procs.streaming_writer, buf.name, 0, 2 * C) as (_, conn, _r):
-            with SamplerPool(buf, batch_size=32, n_workers=1, n_staging=n_staging,
-                             start_method=start_method, seed=0, timeout=60) as pool:
+            with SamplerPool(buf, batch_size=32,
+                             workers=Workers(1, staging=n_staging, start_method=start_method),
+                             seed=0, timeout=60) as pool:
                 for _ in range(10):
                     assert_batch_ok(next(pool), 32)
                 for _ in range(3):
@@ -174,7 +176,7 @@ def test_a_clear_between_the_drawable_check_and_the_draw_waits_for_rows(monkeypa
 
     with shmbuf.ReplayBuffer.create(SPEC, capacity=C, lanes=1) as buf:
         fill(buf, C)
-        with SamplerPool(buf, batch_size=8, n_workers=0, seed=0, timeout=10) as pool:
+        with SamplerPool(buf, batch_size=8, workers=0, seed=0, timeout=10) as pool:
             assert_batch_ok(pool.next(), 8)
             draw, cleared = buf.sample_into, []
 

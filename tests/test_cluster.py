@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import shmbuf  # noqa: E402
+from shmbuf import RateLimit  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
 from workers.cluster import NoHostOnNodeError, ReplayCluster, on_node  # noqa: E402
@@ -89,17 +90,17 @@ def test_remote_rows_arrive_in_calls_of_many_rows_and_are_prefetched(filled):
 
 def test_min_size_holds_over_the_cluster(filled):
     cluster, sizes = filled
-    with cluster.sampler(16, min_size=sum(sizes) + 1, timeout=60) as sampler:
+    with cluster.sampler(16, limit=RateLimit(sum(sizes) + 1), timeout=60) as sampler:
         with pytest.raises(shmbuf.Timeout, match="min_size"):
             sampler.next(timeout=1.5)
-    with cluster.sampler(16, min_size=sum(sizes), timeout=60) as sampler:
+    with cluster.sampler(16, limit=RateLimit(sum(sizes)), timeout=60) as sampler:
         assert sampler.next().batch_size == 16  # the union is big enough, no node alone is
 
 
 def test_samples_per_insert_holds_over_the_cluster(filled):
     cluster, sizes = filled
     ratio, tol = 2.0, 64.0
-    with cluster.sampler(16, samples_per_insert=(ratio, tol), min_size=100) as sampler:
+    with cluster.sampler(16, limit=RateLimit(100, ratio, tol)) as sampler:
         sampler.next()  # the first batch waits for the pools to start
         taken = 16
         with pytest.raises(shmbuf.RateLimitTimeout):

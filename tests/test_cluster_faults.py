@@ -30,6 +30,7 @@ from workers.cluster import (  # noqa: E402
 )
 from workers.cluster_nodes import node_alive  # noqa: E402
 from workers.cluster_sources import NodeLost  # noqa: E402
+from workers.selection import Queue  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -186,7 +187,7 @@ def test_node_lost_while_polling_counts_is_dropped_or_raises_when_strict(ray_nod
                        nodes=pair) as cluster:
         ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, rows, 0)
                  for k, (n, rows) in enumerate(zip(pair, [256, 64]))], timeout=60)
-        with cluster.sampler(32, sampler="queue", seed=8, timeout=60, strict=strict,
+        with cluster.sampler(32, selection=Queue(), seed=8, timeout=60, strict=strict,
                              prefetch_calls=2, wait_s=120.0) as sampler:
             deadline = time.monotonic() + 60
             while sampler.stats()["nodes"][1]["rows_sampled"] < 64:  # the remote node drained
@@ -227,7 +228,7 @@ def test_queue_batch_keeps_its_rows_when_a_node_is_lost_in_it(ray_nodes):
                        nodes=pair) as cluster:
         ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 512, 0)
                  for k, n in enumerate(pair)], timeout=60)
-        with cluster.sampler(32, sampler="queue", seed=9, timeout=30,
+        with cluster.sampler(32, selection=Queue(), seed=9, timeout=30,
                              rows_per_call=16) as sampler:
             local, remote = sampler._sources
             local_chunk, remote_chunk = local.next_chunk, remote.next_chunk

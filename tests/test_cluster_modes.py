@@ -19,6 +19,7 @@ import shmbuf  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
 from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
+from workers.selection import Prioritized, Queue  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -38,7 +39,7 @@ def test_prioritized_draws_follow_priorities_over_the_union(nodes):
                                                                      rows_per_node[k], 0)
                  for k, n in enumerate(cluster.node_ids)], timeout=60)
         beta = 0.7
-        with cluster.sampler(64, sampler="prioritized", alpha=1.0, eps=0.0, beta=beta,
+        with cluster.sampler(64, selection=Prioritized(alpha=1.0, beta=beta, eps=0.0),
                              rows_per_call=64, prefetch_calls=2, seed=6) as sampler:
             batch = sampler.next()
             with pytest.raises(shmbuf.InvalidPriorityError):
@@ -99,7 +100,7 @@ def test_queue_delivers_every_row_of_every_node_exactly_once(nodes, kill):
                        nodes=nodes) as cluster:
         group = cluster.actors(queue_actor(cluster.node_ids, rows_per_lane), per_node=LANES,
                                max_restarts=2)
-        with cluster.sampler(batch_size, sampler="queue", seed=7, timeout=60) as sampler:
+        with cluster.sampler(batch_size, selection=Queue(), seed=7, timeout=60) as sampler:
             for b in range(total // batch_size):
                 batch = sampler.next()
                 assert not cp.bad_rows(batch, LANES).any()

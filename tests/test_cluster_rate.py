@@ -76,8 +76,7 @@ def test_writers_of_every_node_follow_the_learner(nodes):
     node write; closing its sampler lets them all go."""
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
                        nodes=nodes) as cluster:
-        sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
-                                  seed=5, timeout=60)
+        sampler = cluster.sampler(BATCH, limit=RateLimit(MIN_SIZE, RATIO, TOL), seed=5, timeout=60)
         writers, runs = start_writers(cluster)
         try:
             samples = 0
@@ -130,8 +129,7 @@ def test_writers_are_free_until_the_cluster_holds_min_size(nodes):
     min_size = 3000
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
                        nodes=nodes) as cluster:
-        with cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=min_size,
-                             timeout=60) as sampler:
+        with cluster.sampler(BATCH, limit=RateLimit(min_size, RATIO, TOL), timeout=60) as sampler:
             writers, runs = start_writers(cluster)
             try:
                 sampler.next()  # waits for min_size over the cluster (reporting meanwhile)
@@ -159,8 +157,7 @@ def test_a_restarted_host_holds_its_writers_again(nodes):
     re-adopts the segment and the learner's next call sets the limit again."""
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=1 << 14, lanes_per_node=LANES,
                        nodes=nodes, host_restarts=1) as cluster:
-        sampler = cluster.sampler(BATCH, samples_per_insert=(RATIO, TOL), min_size=MIN_SIZE,
-                                  seed=6, timeout=90)
+        sampler = cluster.sampler(BATCH, limit=RateLimit(MIN_SIZE, RATIO, TOL), seed=6, timeout=90)
         writers, runs = start_writers(cluster)
         try:
             for _ in range(20):

@@ -1,10 +1,10 @@
-"""Epoch iteration (``SamplerPool(sampler="epoch")``): every held transition, or every start a
-sequence or frame-stack plan may draw, exactly once per epoch, in a seeded random order, split
+"""Epoch iteration (``SamplerPool(selection=Epoch(...))``): every held transition, or every start
+a sequence or frame-stack plan may draw, exactly once per epoch, in a seeded random order, split
 across workers (fork, forkserver, spawn and in-process); the rows short of a whole batch make a
-shorter last batch (``drop_last=False``), are skipped (``drop_last=True``) or carried into the
-next batch (``carry_remainder=True``); ``pool.epoch()`` and ``batch.epoch`` show where epochs
-end. Episode-aware rows are checked against ``tests.episode_model``, which knows nothing of
-shmbuf's index math."""
+shorter last batch (``Epoch(drop_last=False)``), are skipped (``drop_last=True``) or carried
+into the next batch (``carry_remainder=True``); ``pool.epoch()`` and ``batch.epoch`` show where
+epochs end. Episode-aware rows are checked against ``tests.episode_model``, which knows nothing
+of shmbuf's index math."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ import pytest
 
 import shmbuf
 from shmbuf.errors import ShmbufError
+from shmbuf.sampling import Plan
 from tests.episode_model import OPEN, TERMINATED, TRUNCATED, Episode, Model, make_spec, write
 from workers import SamplerPool
+from workers.config import Workers
+from workers.selection import Counted, Epoch
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -58,19 +61,19 @@ def _check_epochs_with_drop_last(batches: list[list[tuple[int, int]]]) -> None:
 
 
 def test_each_row_once_per_epoch_across_workers(buf, start_method):
-    with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=1,
-                     start_method=start_method) as pool:
+    with SamplerPool(buf, batch_size=B, selection=Epoch(),
+                     workers=Workers(2, start_method=start_method), seed=1) as pool:
         _check_epochs_with_drop_last(_rows(pool, 30))
 
 
 def test_each_row_once_per_epoch_in_process(buf):
-    with SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", seed=1) as pool:
+    with SamplerPool(buf, batch_size=B, selection=Epoch(), workers=0, seed=1) as pool:
         _check_epochs_with_drop_last(_rows(pool, 20))
 
 
 def test_seeded_order_is_reproducible_and_random(buf):
     def order(seed: int, n_workers: int) -> list[list[tuple[int, int]]]:
-        with SamplerPool(buf, batch_size=B, n_workers=n_workers, sampler="epoch",
+        with SamplerPool(buf, batch_size=B, selection=Epoch(), workers=n_workers,
                          seed=seed) as pool:
             return _rows(pool, 15)
 
@@ -85,8 +88,8 @@ def test_seeded_order_is_reproducible_and_random(buf):
 def test_carry_remainder_opens_the_next_batch_with_the_rest(buf, start_method):
     """87 rows in batches of 8: 87 batches are exactly 8 epochs, every row in each, the last
     batch of each epoch finished with the next epoch's first rows."""
-    with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=0,
-                     drop_last=False, carry_remainder=True, start_method=start_method) as pool:
+    with SamplerPool(buf, batch_size=B, selection=Epoch(drop_last=False, carry_remainder=True),
+                     workers=Workers(2, start_method=start_method), seed=0) as pool:
         rows = [r for b in _rows(pool, sum(HELD)) for r in b]
     n = sum(HELD)
     for e in range(B):
@@ -118,8 +121,8 @@ def test_short_last_batch_holds_the_remainder(buf, start_method):
     indices, lanes and weights 7 long), every row once; the order is seeded, and another
     each epoch."""
     def run(seed: int) -> list[list[tuple[int, ...]]]:
-        with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=seed,
-                         drop_last=False, start_method=start_method) as pool:
+        with SamplerPool(buf, batch_size=B, selection=Epoch(drop_last=False),
+                         workers=Workers(2, start_method=start_method), seed=seed) as pool:
             epochs = _epochs(pool, 3, _row_ids)
             last = pool.next(timeout=30)  # the next epoch goes on after the short batch
             assert last.epoch == 3 and last.batch_size == B
@@ -138,12 +141,12 @@ def test_short_last_batch_as_torch_tensors(buf, where):
     """Host tensors, and device tensors (``device=``: copied through the device stage, whose
     batches carry their epoch tags too), in-process and from workers: the same batches."""
     pytest.importorskip("torch")
-    with SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", seed=2, drop_last=False,
+    with SamplerPool(buf, batch_size=B, selection=Epoch(drop_last=False), workers=0, seed=2,
                      **where) as pool:
         batches = [b.copy() for b in pool.epoch()]
         assert [len(b["obs"]) for b in batches] == [B] * 10 + [7]
         assert [b["weights"].shape[0] for b in batches][-1] == 7
-    with SamplerPool(buf, batch_size=B, n_workers=2, sampler="epoch", seed=2, drop_last=False,
+    with SamplerPool(buf, batch_size=B, selection=Epoch(drop_last=False), workers=2, seed=2,
                      **where) as workers:
         same = [b.copy() for b in workers.epoch()]
     for a, b in zip(batches, same, strict=True):
@@ -154,8 +157,8 @@ def test_an_epoch_smaller_than_a_batch_is_one_short_batch():
     with shmbuf.ReplayBuffer.create(SPEC, capacity=64, lanes=1) as b:
         with b.writer(lane=0) as w:
             w.extend({"obs": np.stack([np.zeros(5, np.int64), np.arange(5)], 1)})
-        with SamplerPool(b, batch_size=B, n_workers=0, sampler="epoch", seed=0,
-                         drop_last=False) as pool:
+        with SamplerPool(b, batch_size=B, selection=Epoch(drop_last=False), workers=0,
+                         seed=0) as pool:
             for e in range(3):
                 batch = pool.next(timeout=10)
                 assert (batch.epoch, batch.ends_epoch, batch.batch_size) == (e, True, 5)
@@ -166,7 +169,7 @@ def test_an_epoch_waits_for_a_whole_batch():
     with shmbuf.ReplayBuffer.create(SPEC, capacity=64, lanes=1) as b:
         with b.writer(lane=0) as w:
             w.extend({"obs": np.zeros((5, 2), np.int64)})
-            with SamplerPool(b, batch_size=B, n_workers=0, sampler="epoch", seed=0) as pool:
+            with SamplerPool(b, batch_size=B, selection=Epoch(), workers=0, seed=0) as pool:
                 with pytest.raises(shmbuf.Timeout):
                     pool.next(timeout=0.3)
                 w.extend({"obs": np.zeros((5, 2), np.int64)})
@@ -182,8 +185,8 @@ def test_rows_overwritten_mid_epoch_are_lost_to_it_and_the_rest_come_once():
             w.extend({"obs": np.stack([np.zeros(n, np.int64), np.arange(first, first + n)], 1)})
 
         write(0, 50)
-        with SamplerPool(b, batch_size=B, n_workers=0, sampler="epoch", seed=3,
-                         drop_last=False) as pool:
+        with SamplerPool(b, batch_size=B, selection=Epoch(drop_last=False), workers=0,
+                         seed=3) as pool:
             batches = pool.epoch()
             seen = _row_ids(next(batches)) + _row_ids(next(batches))
             write(50, 30)  # rows 0..15 are overwritten
@@ -234,8 +237,9 @@ def test_every_start_of_a_plan_once_per_epoch(plan, start_method):
         assert len(starts) % B  # the epochs end with a short batch
 
         def run(seed: int) -> list[list[tuple[int, ...]]]:
-            with SamplerPool(b, batch_size=B, n_workers=2, sampler="epoch", seed=seed,
-                             drop_last=False, start_method=start_method, **plan) as pool:
+            with SamplerPool(b, batch_size=B, selection=Epoch(drop_last=False),
+                             workers=Workers(2, start_method=start_method), seed=seed,
+                             plan=Plan(**plan)) as pool:
                 return _epochs(pool, 2, _check_against_model(expected))
 
         epochs = run(7)
@@ -250,8 +254,8 @@ def test_derived_next_obs_and_n_step_epochs_in_process(plan):
     with shmbuf.ReplayBuffer.create(make_spec(True), CAPACITY, lanes=2, next_obs="derived") as b:
         write(b, EPISODES)
         expected = Model(EPISODES, True, CAPACITY).drawable(b.compile(**plan))
-        with SamplerPool(b, batch_size=B, n_workers=0, sampler="epoch", seed=1,
-                         drop_last=False, **plan) as pool:
+        with SamplerPool(b, batch_size=B, selection=Epoch(drop_last=False), workers=0, seed=1,
+                         plan=Plan(**plan)) as pool:
             (ids,) = _epochs(pool, 1, _check_against_model(expected))
         assert len(ids) == len(set(ids)) and set(ids) == set(expected)
 
@@ -274,14 +278,17 @@ def test_anchors_and_gather_at_on_the_buffer():
 
 
 def test_epoch_refuses_what_it_cannot_do(buf):
-    with pytest.raises(ValueError, match="max_times_sampled"):
-        SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", max_times_sampled=2)
-    with pytest.raises(ValueError, match="drop_last=False"):
-        SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", carry_remainder=True)
-    with pytest.raises(TypeError, match="drop_last"):
-        SamplerPool(buf, batch_size=B, n_workers=0, sampler="epoch", drop_last="no")
-    with SamplerPool(buf, batch_size=B, n_workers=0) as pool:
-        with pytest.raises(ShmbufError, match="sampler='epoch'"):
+    """Epochs deliver each row once per epoch (no retirement count), ``carry_remainder`` needs
+    ``drop_last=False``, ``drop_last`` is a bool; ``epoch()`` needs an epoch pool. Each refused
+    by the object that holds the option, before the pool touches the buffer."""
+    with pytest.raises(TypeError, match=r"Counted\(of=Epoch\(.*Uniform\(\) or Prioritized"):
+        SamplerPool(buf, batch_size=B, selection=Counted(2, Epoch()), workers=0)
+    with pytest.raises(ValueError, match=r"Epoch\(carry_remainder=True\).*drop_last=False"):
+        SamplerPool(buf, batch_size=B, selection=Epoch(carry_remainder=True), workers=0)
+    with pytest.raises(TypeError, match=r"Epoch\(drop_last='no'\): drop_last must be a bool"):
+        SamplerPool(buf, batch_size=B, selection=Epoch(drop_last="no"), workers=0)
+    with SamplerPool(buf, batch_size=B, workers=0) as pool:
+        with pytest.raises(ShmbufError, match=r"selection=Epoch\(\.\.\.\)"):
             pool.epoch()
         assert pool.next().epoch is None and not pool.next().ends_epoch
 
@@ -316,8 +323,8 @@ def test_an_epochs_last_batch_overwritten_before_it_was_gathered(buf, monkeypatc
     per_epoch = sum(HELD) // B + (0 if drop_last else 1)  # the last gather of epoch 0
     monkeypatch.setattr(filler.BatchFiller, "gather",
                         _gather_after_overwriting(per_epoch, filler.BatchFiller.gather))
-    with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=4, sampler="epoch", seed=3,
-                     start_method="fork", drop_last=drop_last) as pool:
+    with SamplerPool(buf, batch_size=B, selection=Epoch(drop_last=drop_last),
+                     workers=Workers(1, staging=4, start_method="fork"), seed=3) as pool:
         epochs = []
         for _ in range(3):
             rows, tags, ends = [], [], []

@@ -24,6 +24,7 @@ import pytest
 import shmbuf
 from tests._helpers.rows import RowScheme
 from workers import SamplerPool
+from workers.config import Output, Workers
 
 torch = pytest.importorskip("torch")
 
@@ -126,7 +127,7 @@ def buf():
 def _pool_kwargs(take: str, device: str) -> dict[str, Any]:
     if take == "device":
         return {"device": device}
-    return {"output": "torch", "pin_memory": device.startswith("cuda")}
+    return {"output": Output("torch", pin_memory=device.startswith("cuda"))}
 
 
 def _loop(pool: SamplerPool, take: str, device: str, check: DrawnRows, batches: int) -> None:
@@ -152,7 +153,7 @@ def _loop(pool: SamplerPool, take: str, device: str, check: DrawnRows, batches: 
 @pytest.mark.parametrize("take", ["device", "batch.to", "pinned .to"])
 def test_no_corrupt_rows_without_synchronize(buf, n_workers, take):
     check = DrawnRows(ROWS, LANES, CAPACITY, "cuda")
-    with SamplerPool(buf, batch_size=B, n_workers=n_workers, seed=0, start_method="fork",
+    with SamplerPool(buf, batch_size=B, workers=Workers(n_workers, start_method="fork"), seed=0,
                      **_pool_kwargs(take, "cuda")) as pool:
         _loop(pool, take, "cuda", check, BATCHES)
     assert check.wrong_rows() == []
@@ -161,7 +162,7 @@ def test_no_corrupt_rows_without_synchronize(buf, n_workers, take):
 @pytest.mark.gpu
 @needs_cuda
 def test_device_batches_are_on_the_current_stream_device(buf):
-    with SamplerPool(buf, batch_size=B, n_workers=2, seed=0, device="cuda:0") as pool:
+    with SamplerPool(buf, batch_size=B, workers=2, seed=0, device="cuda:0") as pool:
         batch = pool.next(timeout=60)
         assert batch["payload"].is_cuda and batch.weights.is_cuda
         assert not batch.indices.is_cuda  # host-side, for update_priorities
@@ -237,7 +238,7 @@ def test_drawn_rows_through_a_pool_on_the_cpu_device(take, start_method):
     drawn (this runs where the CUDA tests skip)."""
     check = DrawnRows(ROWS, LANES, SMALL, "cpu")
     with _filled(SMALL) as b:
-        with SamplerPool(b, batch_size=16, n_workers=2, seed=0, start_method=start_method,
+        with SamplerPool(b, batch_size=16, workers=Workers(2, start_method=start_method), seed=0,
                          **_pool_kwargs(take, "cpu")) as pool:
             _loop(pool, take, "cpu", check, 40)
     assert check.batches == 40

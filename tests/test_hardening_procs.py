@@ -25,17 +25,20 @@ import pytest
 
 import shmbuf
 import shmbuf.limiter as limiter_mod
+from shmbuf import RateLimit
 from shmbuf import layout as L
 from shmbuf import vector as vector_mod
 from tests import pool_procs as procs
 from workers import SamplerPool
+from workers.config import Workers
+from workers.selection import Counted, Queue
 
 pytestmark = pytest.mark.timeout(90)
 
 MODES = {
     "uniform": {},
-    "max_times_sampled": {"max_times_sampled": 2},
-    "queue": {"sampler": "queue"},
+    "max_times_sampled": {"selection": Counted(2)},
+    "queue": {"selection": Queue()},
 }
 
 
@@ -65,8 +68,9 @@ def test_min_size_holds_back_every_selection_mode(mode, n_workers, start_method)
     a whole batch comes."""
     _skip_in_process_twice(n_workers, start_method)
     with procs.new_buffer(capacity=512, lanes=2, rows=10) as buf, \
-         SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method,
-                     min_size=500, seed=0, **MODES[mode]) as pool:
+         SamplerPool(buf, batch_size=8, limit=RateLimit(500),
+                     workers=Workers(n_workers, start_method=start_method), seed=0,
+                     **MODES[mode]) as pool:
         assert "holds 20 of min_size=500" in _times_out(pool)
         with buf.writer(lane=1, insert_timeout=10) as w:
             _add_rows(w, 500)
@@ -87,9 +91,8 @@ def test_samples_per_insert_holds_back_max_times_sampled(n_workers, start_method
     twenty; 8 inserts allow exactly one more."""
     _skip_in_process_twice(n_workers, start_method)
     with procs.new_buffer(capacity=64, lanes=2, rows=8) as buf, \
-         SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method,
-                     min_size=16, samples_per_insert=(1.0, 8), max_times_sampled=10,
-                     seed=0) as pool:
+         SamplerPool(buf, batch_size=8, selection=Counted(10), limit=RateLimit(16, 1.0, 8),
+                     workers=Workers(n_workers, start_method=start_method), seed=0) as pool:
         _one_batch_then_held_back(pool)
         with buf.writer(lane=1, insert_timeout=10) as w:
             _add_rows(w, 8)

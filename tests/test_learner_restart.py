@@ -7,7 +7,7 @@ What is proved here (under fork, forkserver and spawn where a process is involve
   ``shmbuf gc``, and the pool's stats say what it reclaimed;
 - a restarted prioritized learner adopts its predecessor's table and draws by the priorities
   the predecessor set (chi-square); a table that does not fit (another alpha) or a counted
-  pool's (``max_times_sampled``, whose counts died with its learner) is removed instead; of two
+  pool's (``Counted(k, ...)``, whose counts died with its learner) is removed instead; of two
   pools opening at once, exactly one adopts it;
 - a live second pool on the same buffer keeps its segments; a dead pool of another buffer is
   left for ``gc``;
@@ -39,6 +39,8 @@ from shmbuf.scan import scan
 from tests import pool_procs as procs
 from tests._helpers.processes import reap, reporting_child
 from workers import SamplerPool
+from workers.config import Workers
+from workers.selection import Counted, Prioritized, Queue
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,15 +86,15 @@ def buf():
             remove_dead_segments(lambda info: serves_buffer(info, b.name))
 
 
-MODES = {"uniform": {}, "prioritized": {"sampler": "prioritized"},
-         "queue": {"sampler": "queue"}}
+MODES = {"uniform": {}, "prioritized": {"selection": Prioritized()},
+         "queue": {"selection": Queue()}}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_restarted_learners_leave_one_ring_and_one_table(buf, mode, start_method):
     """Three learners in a row, each SIGKILLed after its first batch: each new one removed its
     predecessor's ring (and adopted its table), so one of each is there at any time."""
-    kwargs = dict(batch_size=8, n_workers=1, n_staging=2, seed=0, **MODES[mode])
+    kwargs = dict(batch_size=8, workers=Workers(1, staging=2), seed=0, **MODES[mode])
     tables_seen = set()
     for round_ in range(3):
         with learner(buf, start_method, **kwargs) as info:
@@ -115,11 +117,11 @@ def test_a_restarted_prioritized_learner_draws_by_its_predecessors_priorities(bu
     from scipy import stats as st
 
     priorities = np.linspace(0.1, 6.4, 64)
-    with learner(buf, start_method, batch_size=8, n_workers=1, n_staging=2,
-                 sampler="prioritized", alpha=0.7, priorities=priorities.tolist()):
+    with learner(buf, start_method, batch_size=8, workers=Workers(1, staging=2),
+                 selection=Prioritized(alpha=0.7), priorities=priorities.tolist()):
         pass
-    with SamplerPool(buf, batch_size=256, n_workers=0, sampler="prioritized", alpha=0.7,
-                     beta=1.0, seed=1) as pool:
+    with SamplerPool(buf, batch_size=256, selection=Prioritized(alpha=0.7, beta=1.0), workers=0,
+                     seed=1) as pool:
         assert pool.stats()["adopted_priorities"]
         counts = np.zeros(64)
         for _ in range(200):
@@ -136,15 +138,17 @@ def test_a_restarted_prioritized_learner_draws_by_its_predecessors_priorities(bu
         np.testing.assert_allclose(w, expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("other", [{"alpha": 0.3}, {"max_times_sampled": 100}])
-def test_a_table_that_does_not_fit_is_removed_not_adopted(buf, other, start_method):
+@pytest.mark.parametrize("dead_one, new_one", [
+    (Prioritized(alpha=0.3), Prioritized()),
+    (Counted(100, Prioritized()), Counted(100, Prioritized())),
+], ids=["alpha", "counted"])
+def test_a_table_that_does_not_fit_is_removed_not_adopted(buf, dead_one, new_one, start_method):
     """A dead learner's table of another alpha, or a counted pool's (its counts died with it),
     is removed by the next pool, which builds its own."""
-    kwargs = dict(batch_size=8, n_workers=1, n_staging=2, sampler="prioritized")
-    with learner(buf, start_method, **kwargs, **other) as dead:
+    kwargs = dict(batch_size=8, workers=Workers(1, staging=2))
+    with learner(buf, start_method, selection=dead_one, **kwargs) as dead:
         pass
-    with learner(buf, start_method, **kwargs, **({"max_times_sampled": 100}
-                                                  if "max_times_sampled" in other else {})) as new:
+    with learner(buf, start_method, selection=new_one, **kwargs) as new:
         assert not new["stats"]["adopted_priorities"]
         assert new["table"] != dead["table"]
         assert pool_segments(buf.name)[L.KIND_PRIORITY] == [new["table"]]
@@ -153,7 +157,7 @@ def test_a_table_that_does_not_fit_is_removed_not_adopted(buf, other, start_meth
 
 def _adopt_when_told(conn: Any, buffer: str, barrier: Any) -> None:
     """Open a prioritized in-process pool on ``buffer`` at the barrier; report its table."""
-    with SamplerPool(buffer, batch_size=8, n_workers=0, sampler="prioritized") as pool:
+    with SamplerPool(buffer, batch_size=8, selection=Prioritized(), workers=0) as pool:
         barrier.wait(30)
         conn.send((pool._table.name, pool.stats()["adopted_priorities"]))
         conn.recv()  # keep the pool open until the test has looked
@@ -164,8 +168,8 @@ def test_of_two_pools_opening_at_once_one_adopts(buf):
     rounds): exactly one adopts it, the other builds its own; neither fails."""
     ctx = multiprocess.get_context("fork")
     for _ in range(5):
-        with learner(buf, "fork", batch_size=8, n_workers=1, n_staging=2,
-                     sampler="prioritized") as dead:
+        with learner(buf, "fork", batch_size=8, workers=Workers(1, staging=2),
+                     selection=Prioritized()) as dead:
             pass
         barrier = ctx.Barrier(2)
         pipes, kids = [], []
@@ -197,13 +201,13 @@ def test_a_live_pool_keeps_its_segments_and_another_buffers_dead_pool_is_left_fo
     for ``gc``."""
     with procs.new_buffer(capacity=64, lanes=1) as other:
         try:
-            with learner(other, start_method, batch_size=8, n_workers=1, n_staging=2,
-                         sampler="prioritized") as dead:
+            with learner(other, start_method, batch_size=8, workers=Workers(1, staging=2),
+                         selection=Prioritized()) as dead:
                 pass
-            with learner(buf, start_method, batch_size=8, n_workers=1, n_staging=2,
-                         sampler="prioritized") as live:
-                with SamplerPool(buf, batch_size=8, n_workers=1, sampler="prioritized",
-                                 start_method=start_method) as pool:
+            with learner(buf, start_method, batch_size=8, workers=Workers(1, staging=2),
+                         selection=Prioritized()) as live:
+                with SamplerPool(buf, batch_size=8, selection=Prioritized(),
+                                 workers=Workers(1, start_method=start_method)) as pool:
                     assert pool.stats()["reclaimed_segments"] == 0
                     assert not pool.stats()["adopted_priorities"]  # the live table is not free
                     names = {i.name for i in scan()}

@@ -26,6 +26,7 @@ import pytest
 
 import shmbuf
 from workers import SamplerPool, supervise
+from workers.config import Workers
 from workers.supervise import MainModuleReimportError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,7 @@ import os, sys, time
 import numpy as np
 import shmbuf
 from workers import ActorGroup, SamplerPool
+from workers.config import Workers
 
 with open(os.environ["RUN_MARKS"], "a") as f:  # every process that runs the top level
     f.write(f"{os.getpid()} {__name__}\\n")
@@ -53,7 +55,7 @@ STARTS = {
 buf = shmbuf.ReplayBuffer.create(spec, capacity=64)
 with buf.writer(0) as w:
     w.extend({"x": np.ones((8, 4), np.float32)})
-with SamplerPool(buf, batch_size=4, n_workers=1, start_method=sys.argv[1], seed=0,
+with SamplerPool(buf, batch_size=4, workers=Workers(1, start_method=sys.argv[1]), seed=0,
                  timeout=30) as pool:
     assert pool.next()["x"].sum() == 16
 buf.close()
@@ -175,10 +177,11 @@ def test_pool_made_by_the_main_module_top_level_is_refused(tmp_path):
         with pytest.raises(MainModuleReimportError, match=re.escape(FIX)) as info:
             _run_as_child_main(tmp_path, f"""
                 from workers import SamplerPool
-                SamplerPool({buf.name!r}, batch_size=2, n_workers=1, start_method="fork")
+                from workers.config import Workers
+                SamplerPool({buf.name!r}, batch_size=2, workers=Workers(1, start_method="fork"))
                 """)
         assert isinstance(info.value, shmbuf.ShmbufError) and isinstance(info.value, RuntimeError)
-        assert "SamplerPool(n_workers > 0)" in str(info.value)
+        assert "SamplerPool(workers > 0)" in str(info.value)
         assert "main_script.py" in str(info.value)
         assert not multiprocess.active_children()  # nothing was started
         # Not a child being started: this process's own segments are left alone.
@@ -209,9 +212,9 @@ def test_pool_made_while_multiprocessing_bootstraps_is_refused(monkeypatch):
         process._inheriting = True
         try:
             with pytest.raises(MainModuleReimportError, match=re.escape(FIX)):
-                SamplerPool(buf, batch_size=2, n_workers=1, start_method="fork")
+                SamplerPool(buf, batch_size=2, workers=Workers(1, start_method="fork"))
             assert unlinks == [os.getpid()]
-            with SamplerPool(buf, batch_size=2, n_workers=0) as pool:  # no process: allowed
+            with SamplerPool(buf, batch_size=2, workers=0) as pool:  # no process: allowed
                 assert pool.next()["x"].shape == (2, 2)
         finally:
             del process._inheriting
@@ -226,9 +229,10 @@ def test_function_of_the_main_module_called_after_start_up_may_start_a_pool(tmp_
         buf.writer(0).extend({"x": np.ones((4, 2), np.float32)})
         namespace = _run_as_child_main(tmp_path, """
             from workers import SamplerPool
+            from workers.config import Workers
 
             def sample_once(name):
-                with SamplerPool(name, batch_size=2, n_workers=1, start_method="fork",
+                with SamplerPool(name, batch_size=2, workers=Workers(1, start_method="fork"),
                                  timeout=30) as pool:
                     return pool.next()["x"].sum()
             """)

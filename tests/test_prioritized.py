@@ -1,4 +1,5 @@
-"""Prioritized replay and ``max_times_sampled`` on a ``SamplerPool``, in-process and with workers.
+"""Prioritized replay and retirement counts (``selection=Prioritized(...)``, ``Counted(k, of)``)
+on a ``SamplerPool``, in-process and with workers.
 
 What is proved here:
 - draws follow the priorities: a chi-square goodness-of-fit test at a fixed seed (which also
@@ -13,7 +14,7 @@ What is proved here:
   change nothing;
 - multi-lane buffers: lanes found from a recent batch's ``indices`` (or given with ``lanes=``);
 - a worker SIGKILLed during prioritized sampling is restarted and the tree stays consistent;
-- ``max_times_sampled=k``: every row of a static buffer is delivered exactly k times, then the
+- ``Counted(k)``: every row of a static buffer is delivered exactly k times, then the
   pool runs dry (``Timeout``); rows written later become available; a row is never delivered
   more than k times, also when its slot is overwritten while a worker gathers it.
 
@@ -34,11 +35,12 @@ import pytest
 
 import shmbuf
 from shmbuf.priority import PriorityTable
-from shmbuf.sampling import sumtree
+from shmbuf.sampling import Plan, sumtree
 from tests import pool_procs as procs
 from tests._helpers.threads import running
 from workers import SamplerPool
-from workers.selection import CountedSelection
+from workers.config import Workers
+from workers.selection import Counted, CountedSelection, Prioritized, Uniform
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -110,17 +112,21 @@ def test_chi2_sf_known_values():
 # Pool helpers
 # --------------------------------------------------------------------------------------------
 ALPHA, EPS = 0.7, 0.0
+PRIORITIZED = Prioritized(alpha=ALPHA, eps=EPS)
 
 
-def _pool(buf, n_workers: int, start_method: str | None = None, **kw) -> SamplerPool:
+def _pool(buf, n_workers: int, start_method: str | None = None, *,
+          selection: Prioritized | Counted = PRIORITIZED, ordered: bool = True,
+          staging: int | None = None, max_restarts_per_minute: float = 10.0,
+          **kw) -> SamplerPool:
+    """A pool of ``selection`` (``PRIORITIZED`` by default) over ``buf``; with workers, batches
+    leave in assignment order unless ``ordered=False`` (see _skip_inflight), two staging slots
+    per worker unless ``staging`` says otherwise."""
     kw.setdefault("seed", 0)
-    kw.setdefault("alpha", ALPHA)
-    kw.setdefault("eps", EPS)
-    if n_workers:
-        kw.setdefault("ordered", True)  # batches leave in assignment order: see _skip_inflight
-        kw.setdefault("n_staging", 2 * n_workers)
-    return SamplerPool(buf, n_workers=n_workers, start_method=start_method,
-                       sampler=kw.pop("sampler", "prioritized"), **kw)
+    workers = Workers(n_workers, staging=staging or (2 * n_workers if n_workers else None),
+                      start_method=start_method, ordered=bool(n_workers) and ordered,
+                      max_restarts_per_minute=max_restarts_per_minute)
+    return SamplerPool(buf, selection=selection, workers=workers, **kw)
 
 
 def _skip_inflight(pool: SamplerPool) -> int:
@@ -230,7 +236,7 @@ def test_new_transitions_enter_at_the_maximum_priority():
     records of ``end_episode`` do not exist as rows and are never drawn."""
     alpha, eps = 0.6, 0.01
     with procs.new_buffer(capacity=32, lanes=2, rows=8) as buf, \
-         _pool(buf, 0, batch_size=8, alpha=alpha, eps=eps) as pool:
+         _pool(buf, 0, batch_size=8, selection=Prioritized(alpha=alpha, eps=eps)) as pool:
         table = pool._table
         pool.next(timeout=5)
         lanes, idx = _all_rows(buf)
@@ -255,7 +261,7 @@ def test_stale_updates_are_dropped_and_never_reach_the_new_rows():
     The rows now in the overwritten slots keep the priority they entered with (the maximum,
     3): the dropped updates, huge on purpose, neither reach them nor raise the maximum."""
     with procs.new_buffer(capacity=16, lanes=1) as buf, \
-         _pool(buf, 0, batch_size=16, alpha=1.0, eps=0.0, seed=3) as pool:
+         _pool(buf, 0, batch_size=16, selection=Prioritized(alpha=1.0, eps=0.0), seed=3) as pool:
         table = pool._table
         pool.next(timeout=5)
         _set_priorities(pool, buf, np.full(16, 3.0))
@@ -289,7 +295,8 @@ def test_stale_updates_with_workers_and_a_live_writer(start_method):
     that (lane, index), or, if none was, the maximum it entered with (10, which no update in
     [1, 2) can raise): no update ever landed on a row it was not meant for."""
     with procs.new_buffer(capacity=32, lanes=2) as buf, \
-         _pool(buf, 2, start_method, batch_size=16, alpha=1.0, eps=0.0, ordered=False) as pool:
+         _pool(buf, 2, start_method, batch_size=16, selection=Prioritized(alpha=1.0, eps=0.0),
+               ordered=False) as pool:
         table = pool._table
         pool.next(timeout=30)
         _set_priorities(pool, buf, np.full(64, 10.0))
@@ -329,8 +336,8 @@ def _weights_case(beta_name: str, n_workers: int, start_method: str | None) -> N
     beta, beta_ref = BETAS[beta_name]
     alpha, eps = 0.6, 0.05
     with procs.new_buffer(capacity=16, lanes=2) as buf, \
-         _pool(buf, n_workers, start_method, batch_size=64, alpha=alpha, eps=eps,
-               beta=beta) as pool:
+         _pool(buf, n_workers, start_method, batch_size=64,
+               selection=Prioritized(alpha=alpha, beta=beta, eps=eps)) as pool:
         t = 0
         pool.next(timeout=30)
         t += 1
@@ -419,30 +426,45 @@ def test_update_arguments_are_checked_before_anything_changes():
             procs.assert_batch_ok(pool.next(timeout=5), 8)
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_times_sampled": 2}])
-def test_update_priorities_needs_a_prioritized_pool(kw):
-    """A uniform pool refuses priority updates, also with ``max_times_sampled`` (which keeps a
+@pytest.mark.parametrize("selection", [Uniform(), Counted(2)], ids=["uniform", "counted"])
+def test_update_priorities_needs_a_prioritized_pool(selection):
+    """A uniform pool refuses priority updates, also with ``Counted(k)`` (which keeps a
     priority table internally, for retiring rows): they would silently make it non-uniform."""
     with procs.new_buffer(capacity=16, lanes=1) as buf, \
-         SamplerPool(buf, batch_size=4, n_workers=0, seed=0, **kw) as pool:
+         SamplerPool(buf, batch_size=4, selection=selection, workers=0, seed=0) as pool:
         batch = pool.next(timeout=5)
-        with pytest.raises(shmbuf.ShmbufError, match="sampler='prioritized'"):
+        with pytest.raises(shmbuf.ShmbufError, match="needs a prioritized pool"):
             pool.update_priorities(batch.indices, np.ones(4))
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"alpha": -0.5}, "alpha"), ({"alpha": float("nan")}, "alpha"),
-    ({"eps": -1e-3}, "eps"), ({"beta": 1.5}, "beta"), ({"beta": (0.4, 1.0, 0)}, "n_batches"),
-    ({"sampler": "rank"}, "sampler must be"),
-    ({"sequence_length": 4, "max_times_sampled": 2}, "sample uniformly"),
-    ({"sequence_length": 4, "priority_eta": 1.5}, "priority_eta"),
-])
-def test_bad_prioritized_arguments(kw, match):
+SEQUENCES = {"plan": Plan(sequence_length=4)}
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (lambda: {"selection": Prioritized(alpha=-0.5)}, ValueError,
+     r"Prioritized\(alpha=-0.5\): alpha must be a finite number >= 0"),
+    (lambda: {"selection": Prioritized(alpha=float("nan"))}, ValueError,
+     r"Prioritized\(alpha=nan\): alpha must be a finite number"),
+    (lambda: {"selection": Prioritized(eps=-1e-3)}, ValueError,
+     r"Prioritized\(eps=-0.001\): eps must be a finite number >= 0"),
+    (lambda: {"selection": Prioritized(beta=1.5)}, ValueError,
+     r"Prioritized\(beta=1.5\): beta must be in \[0, 1\]"),
+    (lambda: {"selection": Prioritized(beta=(0.4, 1.0, 0))}, ValueError,
+     r"Prioritized\(beta=\(0.4, 1.0, 0\)\): n_batches must be > 0"),
+    (lambda: {"selection": "rank"}, TypeError,
+     r"selection='rank' is not a selection strategy: pass Uniform\(\), Prioritized"),
+    (lambda: {"selection": Counted(2, Prioritized()), **SEQUENCES}, ValueError,
+     r"Counted\(2\) delivers single stored transitions.*Uniform\(\) or Prioritized\(\)"),
+    (lambda: {"selection": Prioritized(eta=1.5), **SEQUENCES}, ValueError,
+     r"Prioritized\(eta=1.5\): eta must be in \[0, 1\]"),
+], ids=["alpha<0", "alpha=nan", "eps<0", "beta>1", "beta schedule", "unknown strategy",
+        "counted sequences", "eta>1"])
+def test_bad_prioritized_arguments(options, error, match):
+    """Each refused by the object that holds the option (or by the pool's check of how they
+    combine), with a message naming the field, the value and what to pass instead."""
     with procs.new_buffer(capacity=16, lanes=1) as buf:
-        kw = dict(kw)
-        sampler = kw.pop("sampler", "prioritized")
-        with pytest.raises(ValueError, match=match):
-            SamplerPool(buf, batch_size=4, n_workers=0, sampler=sampler, **kw)
+        with pytest.raises(error, match=match):
+            SamplerPool(buf, batch_size=4, workers=0, **options())
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,7 +476,8 @@ def _multilane_case(n_workers: int, start_method: str | None) -> None:
     (lane, index) it was sent for. Lanes are written in lockstep, so every index exists in
     every lane: an update applied to the wrong lane would still find a matching row there."""
     with procs.new_buffer(capacity=16, lanes=3) as buf, \
-         _pool(buf, n_workers, start_method, batch_size=8, alpha=1.0, eps=0.0) as pool:
+         _pool(buf, n_workers, start_method, batch_size=8,
+               selection=Prioritized(alpha=1.0, eps=0.0)) as pool:
         table = pool._table
         model = np.ones((3, 16))
         rng = np.random.default_rng(5)
@@ -492,8 +515,8 @@ def test_worker_sigkilled_during_prioritized_sampling(start_method):
     maximum, for rows that entered later). Workers only ever read the tree, so a death cannot
     leave it half-written."""
     with procs.new_buffer(capacity=64, lanes=2) as buf, \
-         _pool(buf, 2, start_method, batch_size=16, alpha=1.0, eps=0.0, ordered=False,
-               n_staging=4, max_restarts_per_minute=60) as pool:
+         _pool(buf, 2, start_method, batch_size=16, selection=Prioritized(alpha=1.0, eps=0.0),
+               ordered=False, staging=4, max_restarts_per_minute=60) as pool:
         table = pool._table
         rng = np.random.default_rng(11)
 
@@ -545,8 +568,9 @@ def _deliveries(pool: SamplerPool, counts: dict, batch_size: int) -> int:
 def _max_times_case(sampler: str, n_workers: int, start_method: str | None) -> None:
     k, B = 3, 8
     with procs.new_buffer(capacity=32, lanes=2) as buf, \
-         _pool(buf, n_workers, start_method, sampler=sampler, batch_size=B,
-               max_times_sampled=k, ordered=False) as pool:
+         _pool(buf, n_workers, start_method, batch_size=B, ordered=False,
+               selection=Counted(k, PRIORITIZED if sampler == "prioritized" else Uniform())
+               ) as pool:
         counts: dict = {}
         n = _deliveries(pool, counts, B)
         assert n == 2 * 32 * k // B
@@ -580,7 +604,7 @@ def test_max_times_sampled_with_priority_updates_after_every_batch(start_method)
     k, B = 2, 8
     for n_workers in (0, 2) if start_method == "fork" else (2,):
         with procs.new_buffer(capacity=32, lanes=2) as buf, \
-             _pool(buf, n_workers, start_method, batch_size=B, max_times_sampled=k,
+             _pool(buf, n_workers, start_method, batch_size=B, selection=Counted(k, PRIORITIZED),
                    ordered=False) as pool:
             counts: dict = {}
             rng = np.random.default_rng(4)
@@ -607,7 +631,7 @@ def test_max_times_sampled_with_priorities_and_a_live_writer():
     are retired by overwriting as well as by use): no (lane, index) is delivered more than
     twice, and priority updates for retired or overwritten rows are harmless."""
     with procs.new_buffer(capacity=32, lanes=2) as buf, \
-         _pool(buf, 0, sampler="prioritized", batch_size=8, max_times_sampled=2) as pool:
+         _pool(buf, 0, batch_size=8, selection=Counted(2, PRIORITIZED)) as pool:
         counts: dict = {}
         rng = np.random.default_rng(2)
         with buf.writer(lane=0) as w:

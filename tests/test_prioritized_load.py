@@ -16,6 +16,7 @@ from shmbuf.priority import PriorityTable
 from shmbuf.sampling import sumtree
 from tests import pool_procs as procs
 from workers import ActorGroup, SamplerPool
+from workers.selection import Counted, Prioritized, Uniform
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,7 +28,7 @@ def test_the_learner_never_raises_while_writers_lap_the_ring(start_method):
     with procs.new_buffer(capacity=512, lanes=2) as buf, \
          ActorGroup(functools.partial(procs.lane_writer, chunk=32), 2, buf,
                     start_method=start_method) as group, \
-         SamplerPool(buf, n_workers=0, batch_size=64, sampler="prioritized", seed=0,
+         SamplerPool(buf, selection=Prioritized(), workers=0, batch_size=64, seed=0,
                      timeout=30) as pool:
         start = buf.committed().copy()
         deadline = time.monotonic() + 30
@@ -51,10 +52,10 @@ def test_the_learner_never_raises_while_writers_lap_the_ring(start_method):
     assert 0 < applied <= sent
 
 
-@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+@pytest.mark.parametrize("of", [Uniform(), Prioritized()], ids=["uniform", "prioritized"])
 def test_a_counted_pool_whose_rows_are_lapped_right_after_its_sync_selects_again(
-        monkeypatch, sampler):
-    """``max_times_sampled``: a writer laps the whole lane between the learner's table sync and
+        monkeypatch, of):
+    """``Counted(2, of)``: a writer laps the whole lane between the learner's table sync and
     its draw (as when the learner is descheduled or SIGSTOPped there, which the chaos stress
     found): every entered row moved on. ``next()`` syncs again and delivers a batch of rows
     the buffer holds; it used to raise ``SamplingError``."""
@@ -62,8 +63,7 @@ def test_a_counted_pool_whose_rows_are_lapped_right_after_its_sync_selects_again
 
     sync = selection.CountedSelection.sync
     with procs.new_buffer(capacity=64, lanes=1) as buf, buf.writer(lane=0) as w, \
-         SamplerPool(buf, n_workers=0, batch_size=16, sampler=sampler, max_times_sampled=2,
-                     seed=0) as pool:
+         SamplerPool(buf, batch_size=16, selection=Counted(2, of), workers=0, seed=0) as pool:
         lapped = []
 
         def sync_then_lap(self) -> None:
@@ -164,7 +164,7 @@ def test_an_update_syncs_only_when_a_row_it_sets_is_not_entered(lanes):
     rows (nothing of theirs changes); a row overwritten since it was drawn is told by the
     window and its update dropped, with nothing entered either."""
     with procs.new_buffer(capacity=100, lanes=lanes, rows=60) as buf, \
-         SamplerPool(buf, n_workers=0, batch_size=8, sampler="prioritized", seed=0,
+         SamplerPool(buf, selection=Prioritized(), workers=0, batch_size=8, seed=0,
                      timeout=10) as pool:
         table = pool._table
         assert table is not None

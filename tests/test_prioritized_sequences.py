@@ -1,4 +1,5 @@
-"""Prioritized sequences (R2D2): ``SamplerPool(sampler="prioritized", sequence_length=T)``.
+"""Prioritized sequences (R2D2): ``SamplerPool(selection=Prioritized(...),
+plan=Plan(sequence_length=T))``.
 
 What is proved here:
 - windows come up in proportion to their start's priority (chi-square at a fixed seed, with the
@@ -25,10 +26,13 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf.sampling import Plan
 from shmbuf.window_priority import WindowPriorityTable, reduce_windows
 from tests import pool_procs as procs
 from tests.test_prioritized import chi_square_p
 from workers import ActorGroup, SamplerPool
+from workers.config import Workers
+from workers.selection import Prioritized
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,11 +83,14 @@ def assert_windows_ok(batch: Any, length: int, cross_episodes: bool = False) -> 
     assert not bad.any(), f"{int(bad.sum())} torn or foreign rows"
 
 
-def _pool(buf: shmbuf.ReplayBuffer, **kw: Any) -> SamplerPool:
-    args: dict[str, Any] = dict(batch_size=32, n_workers=0, sampler="prioritized", seed=0,
-                                sequence_length=4, alpha=1.0, eps=0.0, timeout=30)
+def _pool(buf: shmbuf.ReplayBuffer, n_workers: int = 0, start_method: str | None = None,
+          **kw: Any) -> SamplerPool:
+    """A prioritized pool (alpha 1, eps 0) of windows of 4, in process, unless ``kw`` says
+    otherwise."""
+    args: dict[str, Any] = dict(batch_size=32, selection=Prioritized(alpha=1.0, eps=0.0),
+                                plan=Plan(sequence_length=4), seed=0, timeout=30)
     args.update(kw)
-    return SamplerPool(buf, **args)
+    return SamplerPool(buf, workers=Workers(n_workers, start_method=start_method), **args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +121,7 @@ def test_importance_weights_of_windows():
     """``weights = (P_i / P_min)^-beta`` from the priorities the test set, beta = 0.5."""
     with procs.new_buffer(capacity=256, lanes=1, rows=0) as buf:
         write_episodes(buf, 13 * 6)
-        with _pool(buf, beta=0.5) as pool:
+        with _pool(buf, selection=Prioritized(alpha=1.0, beta=0.5, eps=0.0)) as pool:
             pool.next()
             starts = strict_starts(78, 4)
             # all above the 1.0 new starts enter with: a start entered but never valid would
@@ -165,10 +172,11 @@ def test_starts_enter_once_their_window_is_written_and_only_if_it_is_valid():
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("eta", [None, 0.3])
 def test_updates_of_shape_b_t_store_the_r2d2_reduction(eta):
-    kw = {} if eta is None else {"priority_eta": eta}
+    kw = {} if eta is None else {"eta": eta}
     with procs.new_buffer(capacity=256, lanes=2, rows=0) as buf:
         write_episodes(buf, 13 * 8)
-        with _pool(buf, sequence_length=5, alpha=0.7, eps=1e-3, **kw) as pool:
+        with _pool(buf, plan=Plan(sequence_length=5),
+                   selection=Prioritized(alpha=0.7, eps=1e-3, **kw)) as pool:
             table = pool._table
             assert isinstance(table, WindowPriorityTable)
             batch = pool.next()
@@ -199,7 +207,8 @@ def test_a_mask_keeps_the_steps_past_an_episode_end_out_of_the_reduction():
     included); bad masks and masks without per-step priorities change nothing."""
     with procs.new_buffer(capacity=256, lanes=2, rows=0) as buf:
         write_episodes(buf, 13 * 8)
-        with _pool(buf, sequence_length=5, cross_episodes=True, alpha=0.7, eps=1e-3) as pool:
+        with _pool(buf, plan=Plan(sequence_length=5, cross_episodes=True),
+                   selection=Prioritized(alpha=0.7, eps=1e-3)) as pool:
             table = pool._table
             assert isinstance(table, WindowPriorityTable)
             batch = pool.next()
@@ -230,7 +239,7 @@ def test_a_mask_keeps_the_steps_past_an_episode_end_out_of_the_reduction():
             np.testing.assert_allclose(table.leaf_values(keys[:, 0], keys[:, 1]),
                                        list(expected.values()), rtol=1e-12)
     with procs.new_buffer(capacity=64, lanes=1) as buf, \
-         SamplerPool(buf, batch_size=8, n_workers=0, sampler="prioritized", seed=0) as pool:
+         SamplerPool(buf, batch_size=8, selection=Prioritized(), workers=0, seed=0) as pool:
         batch = pool.next()
         with pytest.raises(ValueError, match="not sequences"):
             pool.update_priorities(batch.indices, np.ones(8), mask=np.ones(8, bool))
@@ -286,8 +295,8 @@ def test_updates_for_overwritten_starts_are_dropped():
 def test_windows_with_workers_are_whole_and_respect_episodes(start_method, cross_episodes):
     with procs.new_buffer(capacity=256, lanes=2, rows=0) as buf:
         write_episodes(buf, 13 * 12)
-        with _pool(buf, n_workers=2, start_method=start_method, sequence_length=6,
-                   cross_episodes=cross_episodes) as pool:
+        with _pool(buf, n_workers=2, start_method=start_method,
+                   plan=Plan(sequence_length=6, cross_episodes=cross_episodes)) as pool:
             rng = np.random.default_rng(0)
             crossed = 0
             for _ in range(40):
@@ -308,7 +317,7 @@ def test_writers_lapping_during_sampling_never_make_it_raise(start_method, n_wor
         with ActorGroup(functools.partial(episode_writer), 2, buf,
                         start_method=start_method) as group, \
              _pool(buf, n_workers=n_workers, start_method=start_method,
-                   sequence_length=8) as pool:
+                   plan=Plan(sequence_length=8)) as pool:
             start = buf.committed().copy()
             deadline = time.monotonic() + 60  # actors start slowly under spawn on a busy host
             while (buf.committed() - start < 256).any():
@@ -336,7 +345,7 @@ def test_frame_stacks_draw_one_priority_per_stacked_step():
     are whole, and the first steps of an episode are padded (never frames of another)."""
     with procs.new_buffer(capacity=256, lanes=1, rows=0) as buf:
         write_episodes(buf, 13 * 4)
-        with _pool(buf, sequence_length=1, frame_stack=3, stack_fields=("index",)) as pool:
+        with _pool(buf, plan=Plan(frame_stack=3, stack_fields=("index",))) as pool:
             pool.next()
             steps = np.arange(52)
             pool.update_priorities(steps, 1.0 + (steps % 2) * 9, lanes=0)  # odd steps 10x
@@ -366,7 +375,8 @@ def test_n_step_with_derived_next_obs_is_prioritized_too():
                       next_obs=np.full(2, -1 if last else step + 1, np.float32))
                 if last:
                     w.end_episode()
-        with _pool(buf, sequence_length=1, n_step=3, gamma=0.5, beta=1.0) as pool:
+        with _pool(buf, plan=Plan(n_step=3, gamma=0.5),
+                   selection=Prioritized(alpha=1.0, beta=1.0, eps=0.0)) as pool:
             batch = pool.next()
             steps = np.asarray(batch["obs"])[:, 0].astype(np.int64)
             np.testing.assert_array_equal(np.asarray(batch["reward"]),

@@ -1,4 +1,4 @@
-"""Queue mode (``SamplerPool(sampler="queue")``): every transition delivered exactly once, oldest
+"""Queue mode (``SamplerPool(selection=Queue())``): every transition delivered exactly once, oldest
 first within its lane, with writers waiting while a lane holds ``capacity`` undelivered rows.
 
 What is proved here, under fork, forkserver and spawn where a process is involved:
@@ -12,8 +12,8 @@ What is proved here, under fork, forkserver and spawn where a process is involve
   is SIGKILLed the queue outlives it: the writer waits until a new queue pool resumes it;
 - a new learner resumes the queue after the rows an earlier one released (SIGKILLed, closed
   cleanly, or left by an exception): only the batch in a killed learner's hands comes again;
-- ``samples_per_insert`` (and ``max_times_sampled`` other than 1) with ``sampler="queue"`` is a
-  clear error.
+- a ratio (``RateLimit(samples_per_insert=...)``), a retirement count (``Counted``) or a
+  sequence plan with ``Queue()`` is a clear error.
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ import numpy as np
 import pytest
 
 import shmbuf
+from shmbuf import RateLimit
+from shmbuf.sampling import Plan
 from tests import pool_procs as procs
 from tests._helpers.threads import blocked_in_thread
 from workers import ActorGroup, SamplerPool
+from workers.config import Workers
+from workers.selection import Counted, Queue
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -86,17 +90,20 @@ class Ledger:
 # --------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, match", [
-    ({"samples_per_insert": (1.0, 64)}, "own rate limiter"),
-    ({"max_times_sampled": 2}, "exactly once"),
-    ({"sequence_length": 4}, "sample uniformly"),
-])
-def test_queue_rejects_options_it_cannot_honour(kw, match):
-    """``sampler="queue"`` is its own rate limiter: a ratio with it is a clear error naming
-    the fix; so is a retirement count other than once, and a sequence plan."""
+@pytest.mark.parametrize("kw, error, match", [
+    (lambda: {"limit": RateLimit(1, 1.0, 64)}, ValueError, r"Queue\(\) is its own rate limiter"),
+    (lambda: {"selection": Counted(2, Queue())}, TypeError,
+     r"Counted\(of=Queue\(\)\): counts rows drawn by Uniform\(\) or Prioritized"),
+    (lambda: {"plan": Plan(sequence_length=4)}, ValueError,
+     r"Queue\(\) delivers single stored transitions.*Uniform\(\) or Prioritized\(\)"),
+], ids=["ratio", "counted", "sequences"])
+def test_queue_rejects_options_it_cannot_honour(kw, error, match):
+    """``Queue()`` is its own rate limiter: a ratio with it is a clear error naming the fix; so
+    is a retirement count (a queue delivers each row once: ``Counted`` counts only uniform or
+    prioritized draws), and a sequence plan."""
     with procs.new_buffer(capacity=32, lanes=1) as buf:
-        with pytest.raises(ValueError, match=match):
-            SamplerPool(buf, batch_size=8, n_workers=0, sampler="queue", **kw)
+        with pytest.raises(error, match=match):
+            SamplerPool(buf, batch_size=8, **{"selection": Queue(), "workers": 0, **kw()})
         # nothing stayed configured: writers are not held back
         with buf.writer(lane=0, insert_timeout=0.5) as w:
             for _ in range(100):
@@ -105,9 +112,9 @@ def test_queue_rejects_options_it_cannot_honour(kw, match):
 
 def test_a_second_queue_on_the_same_buffer_is_refused():
     with procs.new_buffer(capacity=32, lanes=1) as buf, \
-         SamplerPool(buf, batch_size=8, n_workers=0, sampler="queue"):
+         SamplerPool(buf, batch_size=8, selection=Queue(), workers=0):
         with pytest.raises(shmbuf.ShmbufError, match="already rate-limits"):
-            SamplerPool(buf, batch_size=8, n_workers=0, sampler="queue")
+            SamplerPool(buf, batch_size=8, selection=Queue(), workers=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +125,7 @@ def test_in_process_every_row_exactly_once_oldest_first():
     once, each lane in index order; a last partial batch waits until enough rows exist."""
     B = 8
     with procs.new_buffer(capacity=32, lanes=3, rows=0) as buf, \
-         SamplerPool(buf, batch_size=B, n_workers=0, sampler="queue") as pool:
+         SamplerPool(buf, batch_size=B, selection=Queue(), workers=0) as pool:
         ledger = Ledger(3)
         rng = np.random.default_rng(0)
         writers = [buf.writer(lane=k) for k in range(3)]
@@ -147,7 +154,7 @@ def test_a_queue_started_on_a_wrapped_buffer_begins_at_its_oldest_row():
     a 16-row lane, the queue delivers 24..39 first."""
     with procs.new_buffer(capacity=16, lanes=1, rows=0) as buf:
         procs.fill(buf, 40)
-        with SamplerPool(buf, batch_size=8, n_workers=0, sampler="queue") as pool:
+        with SamplerPool(buf, batch_size=8, selection=Queue(), workers=0) as pool:
             ledger = Ledger(1, start=[24])
             ledger.drain(pool, 8, timeout=0.2)
             assert ledger.next[0] == 40
@@ -167,8 +174,9 @@ def test_writer_blocks_while_the_queue_is_full_then_unblocks(n_workers, start_me
         pytest.skip("in-process mode starts no process")
     B = 8
     with procs.new_buffer(capacity=32, lanes=1, rows=0) as buf, \
-         SamplerPool(buf, batch_size=B, n_workers=n_workers, start_method=start_method,
-                     n_staging=2 if n_workers else None, sampler="queue") as pool, \
+         SamplerPool(buf, batch_size=B, selection=Queue(),
+                     workers=Workers(n_workers, staging=2 if n_workers else None,
+                                     start_method=start_method)) as pool, \
          buf.writer(lane=0, insert_timeout=0.3) as w:
         consumed = buf.storage.limiter.consumed
         ledger = Ledger(1)
@@ -203,8 +211,8 @@ def test_closing_the_pool_releases_a_writer_blocked_by_a_full_queue(start_method
     lane is an ordinary ring again (it overwrites undelivered rows without waiting)."""
     with procs.new_buffer(capacity=32, lanes=1, rows=0) as buf, \
          buf.writer(lane=0, insert_timeout=0.3) as w:
-        pool = SamplerPool(buf, batch_size=8, n_workers=1, n_staging=2, sampler="queue",
-                           start_method=start_method)
+        pool = SamplerPool(buf, batch_size=8, selection=Queue(),
+                           workers=Workers(1, staging=2, start_method=start_method))
         try:
             _fill_until_full(w)
             w.timeout = 20
@@ -228,8 +236,8 @@ def test_a_sigkilled_learners_queue_holds_its_writer_until_a_new_learner_resumes
     (the dead learner took nothing: row 0), and once it releases its first batch the writer
     goes on."""
     with procs.new_buffer(capacity=32, lanes=1, rows=0) as buf, \
-         procs.pool_process(buf, start_method, batch_size=8, n_workers=1, n_staging=2,
-                            sampler="queue") as (learner, info):
+         procs.pool_process(buf, start_method, batch_size=8, selection=Queue(),
+                            workers=Workers(1, staging=2)) as (learner, info):
         with buf.writer(lane=0, insert_timeout=0.3) as w:
             deadline = time.monotonic() + 20  # the queue starts once the pool exists
             wrote = 0
@@ -246,7 +254,7 @@ def test_a_sigkilled_learners_queue_holds_its_writer_until_a_new_learner_resumes
             assert procs.wait_dead(info["workers"], 5) == []
             t.join(1.5)
             assert t.is_alive() and not out, "the writer overwrote rows nobody consumed"
-            with SamplerPool(buf, batch_size=8, n_workers=0, sampler="queue") as pool:
+            with SamplerPool(buf, batch_size=8, selection=Queue(), workers=0) as pool:
                 ledger = Ledger(1)
                 ledger.take(pool.next(timeout=5), 8)  # rows 0..7, held: still nothing consumed
                 t.join(0.5)
@@ -267,14 +275,14 @@ def test_a_new_learner_resumes_after_a_sigkilled_one(n_workers, start_method):
         pytest.skip("the learners' own processes are spawned; B runs no worker")
     with procs.new_buffer(capacity=256, lanes=1, rows=0) as buf:
         procs.fill(buf, 200)
-        with procs.pool_process(buf, start_method, take=3, batch_size=10, n_workers=2,
-                                sampler="queue") as (learner, info):
+        with procs.pool_process(buf, start_method, take=3, batch_size=10, selection=Queue(),
+                                workers=2) as (learner, info):
             assert [ix for _, ix in info["taken"]] == [list(range(k, k + 10))
                                                          for k in (0, 10, 20)]
             os.kill(info["pid"], signal.SIGKILL)
             learner.join(10)
-        with SamplerPool(buf.name, batch_size=10, n_workers=n_workers, sampler="queue",
-                         start_method=start_method) as pool:
+        with SamplerPool(buf.name, batch_size=10, selection=Queue(),
+                         workers=Workers(n_workers, start_method=start_method)) as pool:
             ledger = Ledger(1, start=[20])
             ledger.take(pool.next(timeout=30), 10)  # (workers starting up)
             ledger.drain(pool, 10, timeout=0.5)
@@ -288,7 +296,8 @@ def test_a_new_learner_resumes_after_a_clean_close(n_workers, start_method):
     comes again, as after a crash."""
     if n_workers == 0 and start_method != "fork":
         pytest.skip("in-process mode starts no process")
-    kwargs = dict(batch_size=10, n_workers=n_workers, sampler="queue", start_method=start_method)
+    kwargs = dict(batch_size=10, selection=Queue(),
+                  workers=Workers(n_workers, start_method=start_method))
     with procs.new_buffer(capacity=256, lanes=1, rows=0) as buf:
         procs.fill(buf, 200)
         with SamplerPool(buf, **kwargs) as pool:
@@ -320,8 +329,9 @@ def test_exactly_once_with_several_writers_workers_and_kills(start_method):
     B, lanes = 8, 3
     rng = np.random.default_rng(2024)
     with procs.new_buffer(capacity=64, lanes=lanes, rows=0) as buf, \
-         SamplerPool(buf, batch_size=B, n_workers=2, n_staging=4, sampler="queue",
-                     start_method=start_method, max_restarts_per_minute=100) as pool:
+         SamplerPool(buf, batch_size=B, selection=Queue(),
+                     workers=Workers(2, staging=4, start_method=start_method,
+                                     max_restarts_per_minute=100)) as pool:
         ledger = Ledger(lanes)
         kills = {"worker": 0, "actor": 0}
         with ActorGroup(functools.partial(procs.lane_writer, chunk=4, pause=0.001), lanes, buf,

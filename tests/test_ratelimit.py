@@ -26,6 +26,7 @@ from shmbuf.limiter import RateLimit
 from tests import pool_procs as procs
 from tests._helpers.threads import blocked_in_thread, in_thread
 from workers import SamplerPool
+from workers.config import Workers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,8 +244,9 @@ def test_min_size_blocks_then_unblocks(n_workers, start_method):
     if n_workers == 0 and start_method != "fork":
         pytest.skip("in-process mode starts no process")
     with shmbuf.ReplayBuffer.create(procs.SPEC, capacity=256, lanes=2) as buf:
-        with SamplerPool(buf, batch_size=8, n_workers=n_workers, start_method=start_method,
-                         min_size=100) as pool, buf.writer(lane=1) as w:
+        with SamplerPool(buf, batch_size=8, limit=RateLimit(100),
+                         workers=Workers(n_workers, start_method=start_method)) as pool, \
+             buf.writer(lane=1) as w:
             assert "holds 0 of min_size=100" in _blocks(pool)
             _add_rows(w, 60)
             assert "holds 60 of min_size=100" in _blocks(pool)
@@ -272,8 +274,8 @@ def test_samplers_wait_when_they_run_ahead_then_unblock_after_inserts(n_workers,
     B, min_size, ratio, tol = 8, 64, 1.0, 16
     min_diff = min_size * ratio - tol
     with procs.new_buffer(capacity=256, lanes=1, rows=min_size) as buf:
-        with SamplerPool(buf, batch_size=B, n_workers=n_workers, start_method=start_method,
-                         min_size=min_size, samples_per_insert=(ratio, tol), seed=0) as pool, \
+        with SamplerPool(buf, batch_size=B, limit=RateLimit(min_size, ratio, tol),
+                         workers=Workers(n_workers, start_method=start_method), seed=0) as pool, \
              buf.writer(lane=0) as w:
             got = 0
             for step in range(4):
@@ -305,8 +307,9 @@ def test_writers_wait_when_they_run_ahead_then_unblock_when_the_learner_samples(
     time raises RateLimitTimeout and writes nothing."""
     B = 16
     with procs.new_buffer(capacity=512, lanes=2, rows=32) as buf:
-        with SamplerPool(buf, batch_size=B, n_workers=1, n_staging=2, start_method=start_method,
-                         min_size=64, samples_per_insert=(4.0, 64), seed=0) as pool, \
+        with SamplerPool(buf, batch_size=B, limit=RateLimit(64, 4.0, 64),
+                         workers=Workers(1, staging=2, start_method=start_method),
+                         seed=0) as pool, \
              buf.writer(lane=0, insert_timeout=0.3) as w:
             # Hold one batch: the worker then fills the other slot and samples no more, so the
             # room the writer has is settled.
@@ -353,8 +356,7 @@ def test_a_writer_opened_before_the_pool_is_limited_at_once(op):
          buf.writer(lane=0, insert_timeout=0.2) as w:
         for _ in range(64):  # unlimited for now
             w.add(**procs.make_row(0, w.committed))
-        with SamplerPool(buf, batch_size=8, n_workers=0, min_size=64,
-                         samples_per_insert=(4.0, 32)) as pool:
+        with SamplerPool(buf, batch_size=8, limit=RateLimit(64, 4.0, 32), workers=0) as pool:
             assert pool.n_workers == 0
             allowed = RateLimit(64, 4.0, 32).inserts_allowed(64, 0)  # nothing sampled yet
             assert allowed == 8
@@ -373,8 +375,8 @@ def test_extend_larger_than_the_limiter_can_ever_allow_fails_at_once():
     """An extend of more rows than ``max_insert_chunk`` could never pass: ValueError at once,
     nothing written."""
     with procs.new_buffer(capacity=1024, lanes=1, rows=64) as buf:
-        with SamplerPool(buf, batch_size=8, n_workers=0, min_size=64,
-                         samples_per_insert=(4.0, 32)) as pool, buf.writer(lane=0) as w:
+        with SamplerPool(buf, batch_size=8, limit=RateLimit(64, 4.0, 32),
+                         workers=0) as pool, buf.writer(lane=0) as w:
             assert pool is not None
             before = w.committed
             t0 = time.monotonic()
@@ -399,8 +401,8 @@ def test_extends_the_limiter_accepts_never_deadlock(ratio, tol, prefill, shrink,
     B, min_size = 16, 64
     chunk = RateLimit(min_size, ratio, tol).max_insert_chunk() - shrink
     with procs.new_buffer(capacity=2048, lanes=1, rows=prefill) as buf:
-        with SamplerPool(buf, batch_size=B, n_workers=1, start_method=start_method,
-                         min_size=min_size, samples_per_insert=(ratio, tol), seed=0) as pool, \
+        with SamplerPool(buf, batch_size=B, limit=RateLimit(min_size, ratio, tol),
+                         workers=Workers(1, start_method=start_method), seed=0) as pool, \
              buf.writer(lane=0, insert_timeout=5) as w:
             t, out = in_thread(lambda: [_add_rows(w, chunk) for _ in range(12)] and "done")
             deadline = time.monotonic() + 40
@@ -428,15 +430,15 @@ def test_tolerance_below_the_ratio_is_refused():
     ratio can leave single inserts and whole-batch samples waiting on each other for ever."""
     with procs.new_buffer(capacity=64, lanes=1) as buf:
         with pytest.raises(ValueError, match=r"tolerance 16 is smaller than samples_per_insert"):
-            SamplerPool(buf, batch_size=16, n_workers=0, samples_per_insert=(25.0, 16))
+            SamplerPool(buf, batch_size=16, limit=RateLimit(1, 25.0, 16), workers=0)
 
 
 # --------------------------------------------------------------------------------------------
 # close cancels a pending wait
 # --------------------------------------------------------------------------------------------
 def _limited_writer_setup(buf, start_method):
-    pool = SamplerPool(buf, batch_size=8, n_workers=1, n_staging=2, start_method=start_method,
-                       min_size=32, samples_per_insert=(8.0, 32), seed=0)
+    pool = SamplerPool(buf, batch_size=8, limit=RateLimit(32, 8.0, 32),
+                       workers=Workers(1, staging=2, start_method=start_method), seed=0)
     # Hold one batch: the worker then fills the other slot and samples no more.
     procs.assert_batch_ok(pool.next(timeout=30), 8)
     w = buf.writer(lane=0, insert_timeout=20)
@@ -500,11 +502,11 @@ def test_closing_a_writer_cancels_its_pending_extend(start_method):
 
 def test_a_second_limiting_pool_is_refused():
     with procs.new_buffer(capacity=64, lanes=1) as buf:
-        with SamplerPool(buf, batch_size=8, n_workers=0, samples_per_insert=(1.0, 16)):
+        with SamplerPool(buf, batch_size=8, limit=RateLimit(1, 1.0, 16), workers=0):
             with pytest.raises(shmbuf.ShmbufError, match="already rate-limits"):
-                SamplerPool(buf, batch_size=8, n_workers=0, samples_per_insert=(1.0, 16))
+                SamplerPool(buf, batch_size=8, limit=RateLimit(1, 1.0, 16), workers=0)
             # A pool without a ratio may sample beside it.
-            with SamplerPool(buf, batch_size=8, n_workers=0) as free:
+            with SamplerPool(buf, batch_size=8, workers=0) as free:
                 procs.assert_batch_ok(free.next(timeout=5), 8)
 
 
@@ -559,8 +561,8 @@ def test_measured_samples_per_insert_stays_within_tolerance(start_method):
         # room to see ctx.stopping and return.
         with ActorGroup(functools.partial(procs.lane_writer, chunk=4), 2, buf,
                         start_method=start_method, seed=0) as group, \
-             SamplerPool(buf, batch_size=B, n_workers=W, start_method=start_method,
-                         min_size=128, samples_per_insert=(ratio, tol), seed=0) as pool:
+             SamplerPool(buf, batch_size=B, limit=RateLimit(128, ratio, tol),
+                         workers=Workers(W, start_method=start_method), seed=0) as pool:
             def inserted() -> float:
                 st = pool.stats()
                 return st["inserts_per_s"] * st["elapsed_s"]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf.errors import EmptyBufferError, SamplingError
+from shmbuf.sampling import Plan
 from tests.episode_model import (
     ABANDONED,
     OPEN,
@@ -489,6 +490,7 @@ def test_sampler_pool_batches_match_the_reference(mode, plan):
     """A forked sampler worker delivers batches whose every row (per ``batch.lanes`` /
     ``batch.indices``) equals the reference, and whose anchors cover the drawable set."""
     from workers import SamplerPool
+    from workers.config import Workers
 
     sc = Scenario(12, POOL_EPISODES, False, [False, True])
     with written(sc, mode) as (buf, model):
@@ -496,8 +498,8 @@ def test_sampler_pool_batches_match_the_reference(mode, plan):
         expected = model.drawable(compiled)
         assert len(expected) >= 8  # both lanes wrapped; still plenty to draw
         seen: set[tuple[int, int]] = set()
-        with SamplerPool(buf, B, n_workers=1, start_method="fork", seed=0, timeout=30,
-                         **plan) as pool:
+        with SamplerPool(buf, B, plan=Plan(**plan), workers=Workers(1, start_method="fork"),
+                         seed=0, timeout=30) as pool:
             for _ in range(40):
                 batch = pool.next(timeout=30)
                 arrays = {n: np.asarray(batch[n]) for n in batch}

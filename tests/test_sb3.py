@@ -22,6 +22,7 @@ from stable_baselines3.common.logger import Logger  # noqa: E402
 
 import shmbuf  # noqa: E402
 from shmbuf.integrations.sb3 import DictReplayBuffer, ReplayBuffer  # noqa: E402
+from workers.config import Workers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -264,7 +265,7 @@ def test_prefetch_pool_delivers_owned_tensors(start_method, optimize):
     caller owns (they outlive the next batch) and every row is one that was added."""
     obs_space, act_space = spaces.Box(-1000, 1000, (2,), np.float32), spaces.Discrete(5)
     buf = ReplayBuffer(64, obs_space, act_space, device="cpu", n_envs=2, prefetch=1,
-                       prefetch_kwargs={"start_method": start_method},
+                       prefetch_kwargs={"workers": Workers(start_method=start_method)},
                        optimize_memory_usage=optimize)
     try:
         for i in range(20):
@@ -283,6 +284,28 @@ def test_prefetch_pool_delivers_owned_tensors(start_method, optimize):
         assert buf.sample(8).observations.shape == (8, 2)  # a new batch size restarts the pool
     finally:
         buf.close()
+
+
+def test_prefetch_kwargs_go_to_the_pool_as_given_with_prefetch_processes():
+    """``prefetch_kwargs`` reach ``SamplerPool`` as the user gave them; ``prefetch`` is the
+    process count, in whichever spelling they use (``workers=Workers(...)`` gets ``n``; the
+    earlier releases' worker keywords get ``n_workers``, so the pool's shim combines them). A
+    count given twice is refused when the buffer is made, before any sample."""
+    from shmbuf.integrations.sb3 import _prefetch_options
+
+    assert _prefetch_options(2, {"timeout": 5.0}) == {"timeout": 5.0, "workers": 2}
+    given = {"workers": Workers(staging=6, start_method="spawn")}
+    assert _prefetch_options(2, given) == {"workers": Workers(2, staging=6, start_method="spawn")}
+    assert given == {"workers": Workers(staging=6, start_method="spawn")}  # not changed
+    assert _prefetch_options(2, {"start_method": "spawn"}) == {"start_method": "spawn",
+                                                                "n_workers": 2}
+    with pytest.raises(ValueError, match=r"workers=Workers\(n=3.*prefetch=2.*without n"):
+        _prefetch_options(2, {"workers": Workers(3)})
+    with pytest.raises(ValueError, match=r"workers=3: .*prefetch=2"):
+        ReplayBuffer(64, spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(5), device="cpu",
+                     prefetch=2, prefetch_kwargs={"workers": 3})
+    with pytest.raises(TypeError, match="drop n_workers"):
+        _prefetch_options(2, {"n_workers": 3})
 
 
 def test_spec_from_spaces_sb3_layout():

@@ -61,7 +61,7 @@ def _sampled(mode: str, episode_length: int = 12) -> tuple[BatchChecker, _Batch]
                 w.extend(episode_rows(rows, 0, w.committed, episode_length, new_episode_id(), 0,
                                       episode_length, truncated, m.derived))
                 w.end_episode(truncated=truncated)
-        with SamplerPool(buf, batch_size=16, n_workers=0, seed=1, **m.pool) as pool:
+        with SamplerPool(buf, batch_size=16, workers=0, seed=1, **m.pool) as pool:
             return BatchChecker(m, rows), _Batch(pool.next(timeout=10))
 
 

@@ -25,12 +25,13 @@ import os, select, sys
 import numpy as np
 import shmbuf
 from workers import SamplerPool
+from workers.config import Workers
 spec = shmbuf.Spec({"obs": ((4,), "float32"), "reward": ((), "float32")})
 rows = {"obs": np.ones((16, 4), np.float32), "reward": np.ones(16, np.float32)}
 with shmbuf.ReplayBuffer.create(spec, capacity=1000, lanes=2, name=sys.argv[1]) as buf:
     with buf.writer(lane=1) as w:
         w.extend(rows)
-        with SamplerPool(buf, batch_size=8, n_workers=2, n_staging=4, start_method=sys.argv[2],
+        with SamplerPool(buf, batch_size=8, workers=Workers(2, staging=4, start_method=sys.argv[2]),
                          seed=0) as pool:
             pool.next(timeout=60)
             print("ready", os.getpid(), flush=True)

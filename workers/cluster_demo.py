@@ -58,10 +58,10 @@ def node_columns(stats: dict[str, Any], last: dict[str, tuple[int, int]], dt: fl
 
 def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None],
             train_step: Callable[[Any, float], float], capacity: int,
-            limits: Callable[[argparse.Namespace, int], tuple[int, Any]]) -> int:
+            limits: Callable[[argparse.Namespace, int], Any]) -> int:
     """The demo on ``args.ray_nodes`` local Ray nodes (``args`` as ``demo.add_arguments``;
     ``capacity``: rows per lane the demo would give one machine, shared out over the nodes;
-    ``limits``: ``demo.demo_limits``)."""
+    ``limits``: ``demo.demo_limits``, a ``RateLimit`` for the rows in all)."""
     try:
         import ray
     except ImportError:
@@ -76,7 +76,7 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
         capacity = max(4 * args.batch_size, min(
             capacity, (shm_free_bytes() // 4) // (spec.row_nbytes * lanes * n)))
     batch_bytes = spec.row_nbytes * args.batch_size
-    min_size, spi = limits(args, capacity * lanes * n)
+    limit = limits(args, capacity * lanes * n)
     print(f"shmbuf demo on Ray: {n} local nodes x {args.actors} actors, {args.workers} sampler "
           f"workers per node, {args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
           f"({fmt_bytes(batch_bytes)}), {lanes} lanes x {capacity} per node "
@@ -88,9 +88,8 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
     try:
         with ReplayCluster(spec, capacity, lanes) as cluster:
             group = cluster.actors(actor_fn, per_node=args.actors, seed=args.seed)
-            with cluster.sampler(args.batch_size, workers_per_node=args.workers,
-                                 min_size=min_size, samples_per_insert=spi, seed=args.seed,
-                                 timeout=120.0) as sampler:
+            with cluster.sampler(args.batch_size, workers=args.workers, limit=limit,
+                                 seed=args.seed, timeout=120.0) as sampler:
                 print(f"cluster up in {time.monotonic() - t0:.1f} s: nodes "
                       f"{', '.join(i[:6] for i in cluster.node_ids)} (learner on "
                       f"{current_node_id()[:6]}: 'here')", flush=True)

@@ -270,7 +270,7 @@ class ClusterSampler:
                     filled, got = filled + m, got + m
             self._turn = (self._turn + 1) % n
             if not got and time.monotonic() >= deadline:
-                raise Timeout(f"sampler='queue': {filled} of {self.batch_size} rows came in "
+                raise Timeout(f"Queue(): {filled} of {self.batch_size} rows came in "
                               f"{wait}s (rows are delivered once; writers are slower)")
             if not got:
                 self._poll_all()
@@ -289,7 +289,7 @@ class ClusterSampler:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing sent).
         """
         if self.sampler != "prioritized":
-            raise ValueError("update_priorities() needs sampler='prioritized'")
+            raise ValueError("update_priorities() needs selection=Prioritized(...)")
         if lanes is None or nodes is None:
             if indices is not self._out.indices or self._held is None or self._held.released:
                 raise ValueError("pass lanes=batch.lanes and nodes=batch.nodes (or the current "
@@ -376,11 +376,14 @@ def _cluster_options(given: dict[str, Any], selection: Any, limit: RateLimit | N
     if unknown:
         raise TypeError(f"ClusterSampler() got an unexpected keyword argument {unknown[0]!r}")
     legacy = dict(given)
+    renamed = {}
     if "workers_per_node" in legacy:
         legacy["n_workers"] = legacy.pop("workers_per_node")
+        renamed["n_workers"] = "workers_per_node"  # (the messages say what the caller wrote)
     chosen = legacy_options(legacy, dict(selection=selection, limit=limit, plan=None,
                                           workers=workers, output="numpy", device=None,
-                                          transform=None), who="ClusterSampler")
+                                          transform=None), who="ClusterSampler",
+                            spelled_as=renamed)
     spec = selection_spec(chosen["selection"])
     if type(spec) not in _SAMPLER_OF:
         raise ValueError(f"selection={spec!r}: a cluster samples with Uniform(), "

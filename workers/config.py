@@ -6,13 +6,12 @@ and here ``Workers`` (the sampler processes), ``Output`` (the arrays' kind), ``D
 delivered on a torch device) and ``Transform`` (user code run in the workers). Each checks its
 own options when it is made; ``PoolConfig.make`` checks how they combine, with no buffer and
 before any process or segment exists, so a wrong argument fails at the call site.
-``legacy_options`` turns the keywords of earlier releases into these objects, with a
-``DeprecationWarning``.
+``legacy_options`` turns the keywords of earlier releases into these objects (``workers.legacy``
+says which goes where), with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -23,27 +22,27 @@ import cloudpickle
 import numpy as np
 
 from shmbuf.checks import positive_int, timeout_seconds
-from shmbuf.errors import ShmbufError
 from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
-from .selection import (
-    Counted,
-    Epoch,
-    Prioritized,
-    Queue,
-    SelectionSpec,
-    Uniform,
-    selection_spec,
+from .legacy import (
+    EPOCH,
+    LEGACY_KEYWORDS,
+    LIMIT,
+    PLAN,
+    PRIORITIZED,
+    SELECTION,
+    WORKERS,
+    OptionError,
+    callers_level,
+    limit_of,
+    selection_of,
+    spelled,
 )
+from .selection import Prioritized, SelectionSpec, selection_spec
 
 OUTPUTS = ("numpy", "torch", "jax")
-
-
-class OptionError(ShmbufError, TypeError):
-    """An option that the chosen strategy does not take (``SamplerPool(..., alpha=0.1)`` with a
-    uniform selection), or one given twice; the message names the object that takes it."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,8 @@ class Workers:
         rate = self.max_restarts_per_minute
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
             raise ValueError(f"Workers(max_restarts_per_minute={rate!r}) must be >= 0")
+        if not isinstance(self.ordered, (bool, np.bool_)):
+            raise TypeError(f"Workers(ordered={self.ordered!r}): ordered must be a bool")
         count = self.count
         staging = self.staging
         if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int)
@@ -147,7 +148,11 @@ class Transform:
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise TypeError(f"transform must be callable, got {type(self.fn).__name__}")
+            raise TypeError(f"Transform(fn={self.fn!r}): transform must be callable, got "
+                            f"{type(self.fn).__name__} (pass fn(batch: dict) -> dict)")
+        if self.spec is not None and not isinstance(self.spec, dict):
+            raise TypeError(f"Transform(spec={self.spec!r}): spec is the outputs as "
+                            f"{{name: (shape_without_batch, dtype)}}, or None to find them")
         _check_picklable(self.fn)  # serialised here: an unpicklable one fails at the call site
 
 
@@ -244,7 +249,7 @@ class PoolConfig:
 
     def output_arrays(self, compiled: Any) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         """(name, shape without batch, dtype) of each delivered field: the plan's outputs, or the
-        transform's (from ``transform_spec``, else by calling it once on a zero batch here)."""
+        transform's (from ``Transform.spec``, else by calling it once on a zero batch here)."""
         base = list(compiled.outputs)
         transform = self.transform
         if transform is None:
@@ -257,7 +262,8 @@ class PoolConfig:
         except Exception as e:
             raise TypeError(
                 f"transform {callable_name(transform)} failed on a zero-filled example batch "
-                f"({type(e).__name__}: {e}); fix it, or pass transform_spec= to skip this check"
+                f"({type(e).__name__}: {e}); fix it, or pass transform=Transform(fn, spec=...) "
+                f"to skip this check"
             ) from e
         result = example if result is None else result
         out = []
@@ -274,21 +280,13 @@ class PoolConfig:
 
 
 # -- the keywords of earlier releases -----------------------------------------------------------
-_WORKERS = {"n_workers": "n", "n_staging": "staging", "start_method": "start_method",
-            "max_restarts_per_minute": "max_restarts_per_minute", "ordered": "ordered"}
-_PRIORITIZED = {"alpha": "alpha", "beta": "beta", "eps": "eps", "priority_eta": "eta"}
-_EPOCH = {"drop_last": "drop_last", "carry_remainder": "carry_remainder"}
-_PLAN = {f.name for f in dataclasses.fields(Plan)}
-_OTHERS = {"sampler", "max_times_sampled", "min_size", "samples_per_insert", "pin_memory",
-           "device_prefetch", "transform_spec"}
-LEGACY_KEYWORDS = frozenset({*_WORKERS, *_PRIORITIZED, *_EPOCH, *_PLAN, *_OTHERS})
-
-
-def legacy_options(given: dict[str, Any], new: dict[str, Any], who: str = "SamplerPool"
-                   ) -> dict[str, Any]:
+def legacy_options(given: dict[str, Any], new: dict[str, Any], who: str = "SamplerPool",
+                   spelled_as: dict[str, str] | None = None) -> dict[str, Any]:
     """The arguments ``new`` (``selection``, ``limit``, ``plan``, ``workers``, ``output``,
     ``device``, ``transform``, as passed) with the earlier releases' keywords ``given`` turned
     into the objects that now hold them, and a ``DeprecationWarning`` that shows the new form.
+    ``spelled_as``: the names the caller used for keywords of ``given`` it renamed (the
+    cluster's ``workers_per_node`` for ``n_workers``), for the messages.
 
     Raises:
         TypeError: a keyword no release took.
@@ -300,35 +298,51 @@ def legacy_options(given: dict[str, Any], new: dict[str, Any], who: str = "Sampl
     unknown = sorted(set(given) - LEGACY_KEYWORDS)
     if unknown:
         raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
-    old = sorted(given)
+    aliases = spelled_as or {}
+    keys = set(given)
+
+    def said(names: Any) -> list[str]:
+        """The keywords of ``names`` that were given, as the caller wrote them."""
+        return [aliases.get(k, k) for k in names if k in keys]
+
+    old = sorted(said(given))
     given, new = dict(given), dict(new)
 
     def taking(names: dict[str, str] | set[str]) -> dict[str, Any]:
         return {(names[k] if isinstance(names, dict) else k): given.pop(k)
                 for k in list(given) if k in names}
 
-    def setting(key: str, value: Any, olds: list[str]) -> None:
+    def setting(key: str, make: Callable[[], Any], olds: list[str]) -> None:
+        """``new[key]``, made from the earlier keywords ``olds``, unless ``key`` was given."""
         if new[key] is not None:
-            raise OptionError(f"{key}= was given beside {', '.join(olds)}=, which now go into "
-                              f"it: pass {key}={_short(value)} (holding them) only")
-        new[key] = value
-        shown[key] = value
+            try:
+                fix = f"pass {key}={spelled(make())} (holding them) only"
+            except (TypeError, ValueError):  # (they do not even make one: say where they go)
+                fix = f"pass {key}= only, with them in the object it takes"
+            raise OptionError(f"{key}= was given beside {', '.join(o + '=' for o in olds)}, "
+                              f"which now go into it: {fix}")
+        new[key] = shown[key] = make()
 
     shown: dict[str, Any] = {}
-    workers = taking(_WORKERS)
+    workers = taking(WORKERS)
     if workers:
-        setting("workers", Workers(**workers), [k for k in _WORKERS if k in old])
+        setting("workers", lambda: Workers(**workers), said(WORKERS))
         if set(workers) == {"n"}:
             shown["workers"] = workers["n"]
-    prioritized, epoch = taking(_PRIORITIZED), taking(_EPOCH)
+    prioritized, epoch = taking(PRIORITIZED), taking(EPOCH)
     sampler, k = given.pop("sampler", None), given.pop("max_times_sampled", None)
     if sampler is not None or prioritized or epoch or k is not None:
-        setting("selection", _legacy_selection(sampler, prioritized, epoch, k), ["sampler"])
-    limit = taking({"min_size", "samples_per_insert"})
+        setting("selection", lambda: selection_of(sampler, prioritized, epoch, k),
+                said(SELECTION))
+    limit = taking(set(LIMIT))
     if limit:
-        setting("limit", _legacy_limit(limit), list(limit))
+        setting("limit", lambda: limit_of(limit), said(LIMIT))
     pin = given.pop("pin_memory", None)
     if pin is not None:
+        if isinstance(new["output"], Output):
+            raise OptionError(f"output={spelled(new['output'])} was given beside pin_memory=, "
+                              f"which now goes into it: pass output=Output(kind, "
+                              f"pin_memory={pin!r}) only")
         kind = new["output"] if isinstance(new["output"], str) else "numpy"
         new["output"] = shown["output"] = Output(kind, pin_memory=pin)
     prefetch = given.pop("device_prefetch", None)
@@ -336,89 +350,33 @@ def legacy_options(given: dict[str, Any], new: dict[str, Any], who: str = "Sampl
         if new["device"] is None:
             raise OptionError("device_prefetch= needs a device: pass device=Device('cuda', "
                               f"prefetch={prefetch!r})")
+        if isinstance(new["device"], Device):
+            raise OptionError(f"device={spelled(new['device'])} was given beside "
+                              f"device_prefetch=, which now goes into it: pass "
+                              f"device=Device(device, prefetch={prefetch!r}) only")
         new["device"] = shown["device"] = Device(new["device"], prefetch)
     spec = given.pop("transform_spec", None)
     if spec is not None:
         if new["transform"] is None:
             raise OptionError("transform_spec= describes a transform's outputs: pass "
                               "transform=Transform(fn, spec=...)")
+        if isinstance(new["transform"], Transform):
+            raise OptionError("transform=Transform(...) was given beside transform_spec=, "
+                              "which now goes into it: pass transform=Transform(fn, spec=...) "
+                              "only")
         new["transform"] = shown["transform"] = Transform(new["transform"], spec)
-    plan = taking(_PLAN)
+    plan = taking(set(PLAN))
     if plan:
-        if new["plan"] is not None:
-            raise ValueError(f"pass either plan= or its options, not both ({plan})")
-        new["plan"] = shown["plan"] = Plan(**plan)
-    spelled = ", ".join(f"{key}={_short(value)}" for key, value in shown.items())
+        setting("plan", lambda: Plan(**plan), said(PLAN))
+    written = ", ".join(f"{key}={spelled(value)}" for key, value in shown.items())
     first = "cluster" if who == "ClusterSampler" else "buffer"
     warnings.warn(
         f"{who}({', '.join(k + '=' for k in old)}) is deprecated and goes in the next "
-        f"release: write {who}({first}, batch_size, {spelled}) (Workers, Output, Device "
+        f"release: write {who}({first}, batch_size, {written}) (Workers, Output, Device "
         f"and Transform from workers.config; strategies from workers.selection; RateLimit "
         f"from shmbuf; Plan from shmbuf.sampling)", DeprecationWarning,
-        stacklevel=3 if who == "SamplerPool" else 4)
+        stacklevel=callers_level())
     return new
-
-
-def _short(value: Any) -> str:
-    """``value`` as it would be written: a dataclass with only its fields that differ from
-    their defaults (``Prioritized(alpha=0.3)``, ``Workers(n=0)``)."""
-    if not dataclasses.is_dataclass(value) or isinstance(value, type):
-        return "fn" if callable(value) else repr(value)
-    parts = []
-    for f in dataclasses.fields(value):
-        v = getattr(value, f.name)
-        default = (f.default if f.default is not dataclasses.MISSING else
-                   f.default_factory() if f.default_factory is not dataclasses.MISSING
-                   else object())
-        if f.init and v != default:
-            parts.append(f"{f.name}={_short(v)}")
-    return f"{type(value).__name__}({', '.join(parts)})"
-
-
-def _legacy_selection(sampler: Any, prioritized: dict[str, Any], epoch: dict[str, Any],
-                      k: Any) -> SelectionSpec:
-    """The strategy of ``sampler=`` with its options (``alpha``..., ``drop_last``...,
-    ``max_times_sampled``), refusing options the strategy does not take."""
-    name = "uniform" if sampler is None else sampler
-    if name not in ("uniform", "prioritized", "queue", "epoch"):
-        raise ValueError(f"sampler must be 'uniform', 'prioritized', 'queue' or 'epoch', got "
-                         f"{sampler!r}")
-    if prioritized and name != "prioritized":
-        opts = ", ".join(f"{key}={v!r}" for key, v in prioritized.items())
-        olds = ", ".join(k for k, v in _PRIORITIZED.items() if v in prioritized)
-        raise OptionError(f"{olds} belong to prioritized sampling, not sampler={name!r}: pass "
-                          f"selection=Prioritized({opts}), or drop them")
-    if epoch and name != "epoch":
-        opts = ", ".join(f"{key}={v!r}" for key, v in epoch.items())
-        raise OptionError(f"{', '.join(epoch)} belong to epochs, not sampler={name!r}: pass "
-                          f"selection=Epoch({opts}), or drop them")
-    if name == "epoch":
-        if k is not None:
-            raise ValueError(f"sampler='epoch' delivers each transition once per epoch; drop "
-                             f"max_times_sampled={k}")
-        return Epoch(**epoch)
-    if name == "queue":
-        if k not in (None, 1):
-            raise ValueError("sampler='queue' delivers each transition exactly once; drop "
-                             f"max_times_sampled={k}")
-        return Queue()
-    of: Uniform | Prioritized = Prioritized(**prioritized) if name == "prioritized" else Uniform()
-    return of if k is None else Counted(k, of)
-
-
-def _legacy_limit(given: dict[str, Any]) -> RateLimit:
-    """``min_size`` and ``samples_per_insert=(ratio, tolerance)`` as a ``RateLimit``."""
-    min_size = positive_int("min_size", given.get("min_size", 1))
-    spi = given.get("samples_per_insert")
-    if spi is None:
-        return RateLimit(min_size)
-    try:
-        ratio, tolerance = spi
-        ratio, tolerance = float(ratio), float(tolerance)
-    except (TypeError, ValueError):
-        raise ValueError(f"samples_per_insert must be (ratio, tolerance), e.g. (8.0, 1024), got "
-                         f"{spi!r}") from None
-    return RateLimit(min_size, ratio, tolerance)
 
 
 def beta_schedule(beta: Any) -> Callable[[int], float]:

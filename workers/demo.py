@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from shmbuf import ReplayBuffer, Spec
+from shmbuf import RateLimit, ReplayBuffer, Spec
 from shmbuf.segment import fmt_bytes
 from shmbuf.shmdir import shm_free_bytes
 
 from .actors import ActorContext, ActorGroup
+from .config import Workers
 from .demo_line import LiveLine
 from .envs import SyntheticAtari, transition_spec_kwargs
 from .plot import plots_throughput
@@ -92,12 +93,14 @@ def train_step(batch: Any, busy_ms: float) -> float:
     return value
 
 
-def demo_limits(args: argparse.Namespace, rows: int) -> tuple[int, tuple[float, float] | None]:
-    """``(min_size, samples_per_insert)`` for a demo buffer of ``rows`` rows in all: min_size at
-    most half of it, and the rate limit's tolerance at least four batches."""
-    spi = None if args.samples_per_insert is None else (
-        args.samples_per_insert, max(4 * args.batch_size, args.samples_per_insert * 1000))
-    return min(args.min_size, rows // 2), spi
+def demo_limits(args: argparse.Namespace, rows: int) -> RateLimit:
+    """The rate limit of a demo buffer of ``rows`` rows in all: min_size at most half of it, and
+    the ratio's tolerance (if ``--samples-per-insert``) at least four batches."""
+    min_size = min(args.min_size, rows // 2)
+    spi = args.samples_per_insert
+    if spi is None:
+        return RateLimit(min_size)
+    return RateLimit(min_size, spi, max(4 * args.batch_size, spi * 1000))
 
 
 @plots_throughput  # --plot PATH
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args, spec, functools.partial(env_actor, env_id=args.env), train_step,
                        capacity, demo_limits)
     batch_bytes = spec.row_nbytes * args.batch_size
-    min_size, spi = demo_limits(args, capacity * args.actors)
+    limit = demo_limits(args, capacity * args.actors)
     print(f"shmbuf demo: {args.actors} actors x {args.workers} sampler workers, "
           f"{args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
           f"({fmt_bytes(batch_bytes)}), buffer {args.actors} lanes x {capacity} "
@@ -120,9 +123,9 @@ def run(args: argparse.Namespace) -> int:
     with ReplayBuffer.create(spec, capacity=capacity, lanes=args.actors) as buf, \
             ActorGroup(actor, args.actors, buf, start_method=args.start_method,
                        seed=args.seed) as group, \
-            SamplerPool(buf, batch_size=args.batch_size, n_workers=args.workers,
-                        seed=args.seed, start_method=args.start_method, min_size=min_size,
-                        samples_per_insert=spi, timeout=60.0) as pool:
+            SamplerPool(buf, batch_size=args.batch_size,
+                        workers=Workers(args.workers, start_method=args.start_method),
+                        limit=limit, seed=args.seed, timeout=60.0) as pool:
         line = LiveLine(batch_bytes)
         batches = 0
         while line.elapsed() < args.seconds:

@@ -1,5 +1,5 @@
-"""``EpochIteration``: the epoch part of ``SamplerPool``'s surface (``sampler="epoch"``,
-``drop_last``, ``carry_remainder``, ``epoch()``); the rows are chosen by ``EpochSelection``.
+"""``EpochIteration``: the epoch part of ``SamplerPool``'s surface (``selection=Epoch(drop_last,
+carry_remainder)``, ``epoch()``); the rows are chosen by ``EpochSelection``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ if TYPE_CHECKING:
 class EpochIteration:
     """Epochs for offline RL and behaviour cloning (a mixin of ``SamplerPool``).
 
-    ``SamplerPool(buf, batch_size, sampler="epoch", seed=...)`` delivers every transition the
+    ``SamplerPool(buf, batch_size, selection=Epoch(), seed=...)`` delivers every transition the
     buffer holds when an epoch begins (with a sequence, frame-stack or n-step plan: every start
     the plan may draw, ``ReplayBuffer.anchors``) exactly once per epoch, in an order that
     depends only on ``seed``, not on the workers. Each batch says its ``batch.epoch`` (from 0)
     and whether it ``ends_epoch``. The ``N % batch_size`` rows an epoch ends with:
 
-    - ``drop_last=True`` (the default): skipped, another random few each epoch;
-    - ``drop_last=False``: a shorter last batch, as PyTorch's DataLoader gives (every field,
-      ``indices``, ``lanes`` and ``weights`` have that many rows);
-    - ``drop_last=False, carry_remainder=True``: the first rows of the next batch, filled up
+    - ``Epoch(drop_last=True)`` (the default): skipped, another random few each epoch;
+    - ``Epoch(drop_last=False)``: a shorter last batch, as PyTorch's DataLoader gives (every
+      field, ``indices``, ``lanes`` and ``weights`` have that many rows);
+    - ``Epoch(drop_last=False, carry_remainder=True)``: the first rows of the next batch, filled up
       from the next epoch, so every batch has ``batch_size`` rows (fixed shapes for compiled
       steps) and none is left out; that batch has the epoch of its first rows.
 
@@ -50,12 +50,13 @@ class EpochIteration:
         returns.
 
         Raises:
-            ShmbufError: the pool's sampler is not "epoch" (raised here, not when iterating).
+            ShmbufError: the pool's selection is not ``Epoch(...)`` (raised here, not when
+                iterating).
         """
         self._check_open()
         if not self._selection.tags_batches:
-            raise ShmbufError(f"epoch() needs SamplerPool(..., sampler='epoch'); this pool's "
-                              f"sampler is {self._config.selection!r}")
+            raise ShmbufError(f"epoch() needs SamplerPool(..., selection=Epoch(...)); this "
+                              f"pool's selection is {self._config.selection!r}")
         return self._epoch_batches(timeout)
 
     def _epoch_batches(self, timeout: float | None) -> Iterator[Batch]:

@@ -134,7 +134,7 @@ class MainModuleReimportError(ShmbufError, RuntimeError):
 
 
 # What a ChildSet's name starts, in the user's words.
-_STARTERS = {"shmbuf-sampler": "SamplerPool(n_workers > 0)", "shmbuf-actor": "ActorGroup"}
+_STARTERS = {"shmbuf-sampler": "SamplerPool(workers > 0)", "shmbuf-actor": "ActorGroup"}
 _CHILD_MAIN = "__mp_main__"  # the main module's name while a spawned (or forkserver) child runs it
 
 

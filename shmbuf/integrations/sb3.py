@@ -6,6 +6,7 @@ Needs the ``sb3`` extra (``pip install shmbuf[sb3]``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,35 @@ _LIVE = ("_shared", "_writer", "_pool", "_pool_batch_size", "_rng", "_plan")
 def _shaped(value: Any, shape: tuple[int, ...]) -> np.ndarray:
     """``value`` reshaped (the method: ``np.reshape`` costs 2 us more per call)."""
     return (value if type(value) is np.ndarray else np.asarray(value)).reshape(shape)
+
+
+# The earlier releases' SamplerPool keywords that ``Workers`` now holds.
+_OLD_WORKER_KEYWORDS = frozenset({"n_staging", "start_method", "max_restarts_per_minute",
+                                  "ordered"})
+
+
+def _prefetch_options(prefetch: int, given: dict[str, Any]) -> dict[str, Any]:
+    """``SamplerPool``'s keyword arguments for the prefetching pool: the user's
+    ``prefetch_kwargs`` as given, with ``prefetch`` sampler processes. A ``workers=Workers(...)``
+    among them sets the other worker options (its ``n`` left out, or ``prefetch``); with the
+    earlier releases' ``start_method=``, ``n_staging=``... the count goes in their spelling too,
+    so that they combine (``SamplerPool`` then warns, showing ``workers=Workers(...)``)."""
+    options = dict(given)
+    if "n_workers" in options:
+        raise TypeError("prefetch_kwargs: the number of sampler processes is prefetch=; drop "
+                        "n_workers from prefetch_kwargs")
+    workers = options.pop("workers", None)
+    if workers is None:
+        options["n_workers" if _OLD_WORKER_KEYWORDS & options.keys() else "workers"] = prefetch
+        return options
+    from workers.config import Workers  # lazily: see the structure rule for integrations
+
+    if not isinstance(workers, Workers) or workers.n not in (None, prefetch):
+        raise ValueError(
+            f"prefetch_kwargs workers={workers!r}: the number of sampler processes is "
+            f"prefetch={prefetch}; pass workers=Workers(staging=..., start_method=...) without n")
+    options["workers"] = dataclasses.replace(workers, n=prefetch)
+    return options
 
 
 class _SharedReplay:
@@ -82,6 +112,8 @@ class _SharedReplay:
         self.handle_timeout_termination = handle_timeout_termination
         self.prefetch = prefetch
         self.prefetch_kwargs = dict(prefetch_kwargs or {})
+        if prefetch:  # a wrong option fails here, not at the first sample()
+            _prefetch_options(prefetch, self.prefetch_kwargs)
         self.spec = Spec.from_spaces(observation_space, action_space, layout="sb3",
                                      next_obs=not optimize_memory_usage)
         self._obs_keys = [k for k in self.spec if k.split("/")[0] == "obs"]
@@ -235,9 +267,8 @@ class _SharedReplay:
 
             self._close_pool()
             seed = int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
-            self._pool = SamplerPool(self._shared, batch_size=batch_size,
-                                     n_workers=self.prefetch, seed=seed,
-                                     **self.prefetch_kwargs)
+            self._pool = SamplerPool(self._shared, batch_size=batch_size, seed=seed,
+                                     **_prefetch_options(self.prefetch, self.prefetch_kwargs))
             self._pool_batch_size = batch_size
         batch = next(self._pool)
         return batch.copy()  # arrays of our own, not views of a staging slot

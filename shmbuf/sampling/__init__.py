@@ -6,6 +6,7 @@ checks; strategies never touch memory, so they are tested on plain arrays.
 """
 
 from .base import Draw, Sampler, Windows, every_index
+from .plan import Plan
 from .uniform import draw_uniform
 
-__all__ = ["Draw", "Sampler", "Windows", "draw_uniform", "every_index"]
+__all__ = ["Draw", "Plan", "Sampler", "Windows", "draw_uniform", "every_index"]

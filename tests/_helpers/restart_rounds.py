@@ -28,6 +28,7 @@ from shmbuf.scan import scan  # noqa: E402
 from tests import pool_procs as procs  # noqa: E402
 from tests._helpers.processes import reporting_child  # noqa: E402
 from workers import SamplerPool  # noqa: E402
+from workers.config import Workers  # noqa: E402
 
 SHM = "/dev/shm"
 
@@ -46,10 +47,10 @@ def main() -> int:
     if os.listdir(SHM):
         print(f"FAIL: {SHM} is not a fresh private tmpfs: {os.listdir(SHM)}")
         return 2
-    sampler = {"sampler": args.mode} if args.mode != "uniform" else {}
-    kwargs = dict(batch_size=64, n_workers=1, n_staging=2, **sampler)
+    workers = Workers(1, staging=2, start_method=args.start_method)
+    kwargs = dict(batch_size=64, selection=args.mode, workers=workers)  # (a shorthand name)
     with procs.new_buffer(capacity=4096, lanes=1) as buf:
-        with SamplerPool(buf, start_method=args.start_method, **kwargs) as pool:
+        with SamplerPool(buf, **kwargs) as pool:
             pool.next(timeout=30)
             sizes = {i.name: i.size for i in scan()}
             ring = sizes[pool.staging_name]

@@ -49,7 +49,11 @@ class Prioritized(SelectionSpec):
                     or not math.isfinite(value) or value < 0:
                 raise ValueError(f"Prioritized({name}={value!r}): {name} must be a finite "
                                  f"number >= 0")
-        checked_eta(self.eta)
+        try:
+            checked_eta(self.eta)
+        except (TypeError, ValueError):
+            raise ValueError(f"Prioritized(eta={self.eta!r}): eta must be in [0, 1] (R2D2 uses "
+                             f"{R2D2_ETA})") from None
         self.beta_at(0)  # a bad beta fails here, not at the first batch
 
     def beta_at(self, step: int) -> float:
