@@ -46,8 +46,8 @@ from shmbuf.errors import ClosedError  # noqa: E402
 from shmbuf.limiter import RateLimit  # noqa: E402
 from workers import SamplerPool  # noqa: E402
 from workers.cluster import ReplayCluster, current_node_id, on_node  # noqa: E402
-from workers.cluster_demo import start_local_cluster  # noqa: E402
 from workers.config import Workers  # noqa: E402
+from workers.demo.ray_nodes import start_local_cluster  # noqa: E402
 
 WORKLOADS: dict[str, dict[str, Any]] = {"atari": {"obs": ((4, 84, 84), "uint8")},
                                          "mujoco": {"obs": ((42,), "float32")}}

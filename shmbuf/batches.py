@@ -1,6 +1,6 @@
 """``BatchReader``: every read of one buffer's rows behind the ``ReplayBuffer`` façade: uniform
-and custom draws, compiled plans, rows by logical index or chosen anchors (``AnchorSurface``),
-and the caches those reads keep.
+and custom draws, compiled plans, rows by logical index or chosen anchors, and the caches those
+reads keep.
 """
 
 from __future__ import annotations
@@ -228,31 +228,3 @@ class BatchReader:
             out["_final"] = (meta & L.FLAG_FINAL) != 0
         return out
 
-
-class AnchorSurface:
-    """Reads of rows the caller chose (epochs): the part of the ``ReplayBuffer`` façade over
-    ``BatchReader.anchors`` / ``gather_at`` (a mixin).
-
-    Concurrency: loads only, checked as ``sample_into``'s reads are.
-    """
-
-    _batches: BatchReader
-    if TYPE_CHECKING:  # provided by ReplayBuffer
-        def _check_open(self) -> None: ...
-
-    def anchors(self, plan: Compiled | None = None, *, among: Draw | None = None) -> Draw:
-        """Where a batch row of ``plan`` may start now, each once: every readable transition,
-        or with a compiled plan every start ``sample_into(plan=)`` may draw (windows that fit
-        the plan's episode rules, stacks that can be rebuilt...), lanes in order and indices
-        ascending. With ``among``: those of its anchors that still may. For epochs."""
-        self._check_open()
-        return self._batches.anchors(plan, among)
-
-    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
-                  *, plan: Compiled | None = None) -> bool:
-        """Read the batch whose rows start at ``(lanes, indices)`` (``anchors``, or the indices
-        ``sample_into`` returned: a sequence's ``[B, T]`` too) into ``out``, as ``sample_into``
-        would have. Returns False if a row can no longer be read whole (overwritten, or no
-        longer a valid start): ``out`` is then partly written and should be discarded."""
-        self._check_open()
-        return self._batches.gather_at(out, lanes, indices, plan)

@@ -2,8 +2,10 @@
 
 Writers (``writer.py``, ``vector.py``) append to their own lane under ``slots.py``'s protocol;
 any process samples with seqlock-checked reads (``batches.py``), never waiting on a writer or
-delivering a torn row. Three surfaces are mixed in: episode records (``records.py``), imitation's
-``from_data``/``store``/``clear`` (``fill.py``) and checkpoints (``checkpoint.py``).
+delivering a torn row. Every method is the façade's own and delegates in a line or two: reads to
+its ``BatchReader`` (``batches.py``), episode records to the storage's ``EpisodeTable``
+(``episodes.py``), imitation's ``from_data``/``store`` checks to ``imitation.py``, ``clear`` to
+the storage (``storage.clear_lanes``), checkpoints to ``persist/``.
 """
 
 from __future__ import annotations
@@ -12,18 +14,16 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any, overload
+from typing import Any, Self, cast, overload
 
 import numpy as np
 
+from . import imitation
 from . import layout as L
-from .batches import MAX_RETRIES, AnchorSurface, BatchReader, RngLike, Sampler
-from .checkpoint import CheckpointSurface
+from .batches import MAX_RETRIES, BatchReader, RngLike, Sampler
 from .checks import positive_int, timeout_seconds
 from .errors import ClosedError
-from .fill import ImitationSurface
 from .limiter import RateLimit
-from .records import EpisodeSurface
 from .sampling import Draw, Windows, draw_uniform
 from .sampling.plan import Compiled, Plan
 from .spec import Spec
@@ -35,7 +35,7 @@ from .writer import Writer
 DEFAULT_INSERT_TIMEOUT = 60.0
 
 
-class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface, AnchorSurface):
+class ReplayBuffer:
     """A replay buffer in POSIX shared memory, shared by any number of processes.
 
     The creator owns the segment and unlinks it on ``close()``, at exit and on SIGTERM. Any
@@ -220,7 +220,7 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface, AnchorSu
         self._check_open()
         return self._seg.probe(L.lock_lane(self._storage.lane_index(lane)))
 
-    # -- reading (and EpisodeSurface: episode records) -----------------------------------------------
+    # -- reading ---------------------------------------------------------------------------------------
     def sample_into(self, out: Mapping[str, np.ndarray], rng: RngLike = None, *,
                     plan: Compiled | None = None, sampler: Sampler = draw_uniform,
                     max_retries: int = MAX_RETRIES) -> Draw:
@@ -299,6 +299,166 @@ class ReplayBuffer(EpisodeSurface, ImitationSurface, CheckpointSurface, AnchorSu
         """A snapshot: per-lane counters and writer liveness, totals and insert rate."""
         self._check_open()
         return buffer_stats(self._storage)
+
+    # -- rows the caller chose (epochs): loads only, checked as sample_into's reads are -------------
+    def anchors(self, plan: Compiled | None = None, *, among: Draw | None = None) -> Draw:
+        """Where a batch row of ``plan`` may start now, each once: every readable transition,
+        or with a compiled plan every start ``sample_into(plan=)`` may draw (windows that fit
+        the plan's episode rules, stacks that can be rebuilt...), lanes in order and indices
+        ascending. With ``among``: those of its anchors that still may. For epochs."""
+        self._check_open()
+        return self._batches.anchors(plan, among)
+
+    def gather_at(self, out: Mapping[str, np.ndarray], lanes: np.ndarray, indices: np.ndarray,
+                  *, plan: Compiled | None = None) -> bool:
+        """Read the batch whose rows start at ``(lanes, indices)`` (``anchors``, or the indices
+        ``sample_into`` returned: a sequence's ``[B, T]`` too) into ``out``, as ``sample_into``
+        would have. Returns False if a row can no longer be read whole (overwritten, or no
+        longer a valid start): ``out`` is then partly written and should be discarded."""
+        self._check_open()
+        return self._batches.gather_at(out, lanes, indices, plan)
+
+    # -- episode records (``EpisodeTable``): loads only; a record is copied between two loads of
+    # its stamp, so one being written, overwritten or cleared is never returned ----------------------
+    @property
+    def episode_spec(self) -> Spec | None:
+        return self._storage.episode_spec
+
+    def episode(self, episode_id: int, lane: int = 0) -> dict[str, Any]:
+        """The record of a finished episode of ``lane``: ``start`` (logical index of its first
+        step), ``length``, ``truncated`` and the episode-spec fields.
+
+        Raises:
+            StaleIndexError: not finished yet, older than the lane's ``episode_capacity``, or
+                emptied by ``clear()``.
+            ValueError: a negative id. TypeError: an id that is not an integer.
+        """
+        self._check_open()
+        return self._storage.episode_table().get(episode_id, self._storage.lane_index(lane))
+
+    def episodes(self, lane: int | None = None) -> dict[str, np.ndarray]:
+        """Every episode record held now (one lane, or all), as arrays ordered by lane, id."""
+        self._check_open()
+        lane = None if lane is None else self._storage.lane_index(lane)
+        return self._storage.episode_table().held(lane)
+
+    # -- imitation's Buffer: ``store`` writes through one Writer of lane 0 that the buffer keeps
+    # until ``clear`` or ``close``; ``clear`` empties the lanes under LOCK_CLEAR ----------------------
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any], capacity: int | None = None,
+                  truncate_ok: bool = False, **create_kwargs: Any) -> Self:
+        """A new one-lane buffer holding ``data`` (field -> ``[n, ...]``), dtypes and shapes
+        inferred. ``capacity`` defaults to n (full); with fewer slots than rows, only the last
+        ``capacity`` rows are kept if ``truncate_ok``, else ``ValueError``.
+
+        Raises:
+            ValueError: ``data`` is empty, its arrays differ in length, or it does not fit.
+        """
+        arrays, spec, capacity = imitation.checked_data(data, capacity, truncate_ok)
+        buf = cast(Self, cls.create(spec, capacity, lanes=1, **create_kwargs))
+        try:
+            buf.store(arrays, truncate_ok=truncate_ok)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def store(self, data: Mapping[str, Any], truncate_ok: bool = False) -> None:
+        """Append rows (field -> ``[n, ...]``) to lane 0 in FIFO order, as imitation's
+        ``Buffer.store``. Keeps an internal writer on lane 0 until ``close()``.
+
+        Raises:
+            ValueError: ``data`` is empty, its arrays differ in length, or n > capacity without
+                ``truncate_ok`` (then only the last ``capacity`` rows are stored).
+        """
+        self._check_open()
+        imitation.check_fits(data, self.capacity, truncate_ok)
+        if self._store_writer is None or self._store_writer.closed:
+            self._store_writer = self.writer(lane=0)
+        self._store_writer.extend(data)
+
+    def size(self) -> int:
+        """Rows readable now (imitation's ``Buffer.size()``); same as ``len(buf)``."""
+        return len(self)
+
+    def clear(self, timeout: float = 5.0) -> None:
+        """Empty every lane, and drop the records of the episodes those rows held. Logical
+        indices and episode ids keep growing (old ones are never reused), so indices,
+        priorities and episode ids taken before are simply stale afterwards.
+
+        Works while writers (of any handle or process) are open: their lanes are emptied up to
+        the ``committed`` read during the call (their floor); rows they publish from then on,
+        an add that overlaps the call included, count as written after it. Once it returns,
+        ``len()``, ``sample()`` and checkpoints see none of the older rows, nor episodes that
+        began before it. A pool's batches gathered before it returned may still hold them.
+
+        Raises:
+            LaneBusyError: another ``clear()`` or a restore kept going for ``timeout`` s.
+        """
+        self._check_open()
+        timeout = timeout_seconds("timeout", timeout)
+        if self._store_writer is not None:
+            self._store_writer.close()
+            self._store_writer = None
+        self._storage.clear(timeout)
+
+    reset = clear
+
+    # -- checkpoints (``persist``): ``save`` and ``state_dict`` read with seqlock checks while
+    # writers run; ``load_state_dict`` holds every lane's writer lease while it rewrites ------------
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False,
+             progress: bool | None = None) -> None:
+        """Write the buffer to a directory: ``manifest.json`` plus one ``.npy`` per field.
+
+        Rows are stored per lane, oldest first; each ``.npy`` opens with plain
+        ``numpy.load(path, mmap_mode="r")``. Safe while writers run: it saves the rows that
+        were still intact at the end of the copy. Shows progress on large buffers.
+        """
+        from .persist import save
+
+        self._check_open()
+        save(self._storage, path, overwrite=overwrite, progress=progress)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        capacity: int | None = None,
+        progress: bool | None = None,
+    ) -> Self:
+        """Create a new buffer (this process owns it) from a directory written by ``save``.
+
+        Logical indices and episode counters are preserved. ``capacity`` may differ from the
+        saved one; a smaller one keeps each lane's newest rows.
+
+        Raises:
+            CheckpointError: the directory is incomplete, truncated or inconsistent.
+        """
+        from .persist import load
+
+        buf: Self = load(cls.create, path, name=name, capacity=capacity, progress=progress)
+        return buf
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer's contents as plain Python/NumPy objects, for training checkpoints."""
+        from .persist import state_dict
+
+        self._check_open()
+        return state_dict(self._storage)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace this buffer's contents with ``state``; needs every lane free of writers.
+
+        Raises:
+            SpecMismatchError: the state's spec or lanes differ from this buffer's.
+            LaneBusyError: a lane has a live writer.
+        """
+        from .persist import load_state_dict
+
+        self._check_open()
+        load_state_dict(self._storage, state)
 
     # -- teardown --------------------------------------------------------------------------------------
     def close(self) -> None:

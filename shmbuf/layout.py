@@ -32,10 +32,10 @@ A replay buffer's body, each region 64-byte aligned:
   (logical index of the episode's first step), ``_ep_length`` (its transitions), ``_ep_flags``
   (``EPISODE_TRUNCATED``) and one column per field of the episode spec.
 
-A staging ring's body (``workers.staging``) starts with ``STAGING_STATS_LINES`` line(s) of pool
-counters (``STAT_*``, u64 words packed in one line, written only by the learner that owns the
-ring, read by ``shmbuf top``), then its slot control lines and slot data; its layout JSON says
-where the control words are (``slot_control``), so readers need not import ``workers``.
+A staging ring's body is laid out by ``workers.staging``: a line of pool counters, its slot
+control lines and slot data. Its layout JSON says where the counters are (``pool_stats``: their
+lines and word names) and where the control words are (``slot_control``), so readers that do not
+import ``workers`` (``shmbuf top``) find them there, never in a constant of this module.
 
 A weight store's body (``shmbuf.weights``, whose docstring lays it out byte by byte beside its
 offsets) is a control line, one stamp line per copy and ``WEIGHT_COPIES`` copies of its
@@ -52,9 +52,10 @@ from __future__ import annotations
 
 import json
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -122,17 +123,6 @@ LIM_N_SAMPLERS = 7  # sampler counters [0, n) belong to the limiting pool
 LIM_QUEUE = 8  # 1: queue mode, a writer waits while its lane holds `capacity` undelivered rows
 LIMITER_CONFIG_LINES = 16
 MAX_SAMPLERS = 64
-
-# Staging stats block: u64 words packed in STAGING_STATS_LINES lines right after the header page,
-# all stored by the learner (the ring's owner) only.
-STAT_BATCHES = 0  # batches delivered to the learner
-STAT_WAIT_NS = 1  # nanoseconds the learner spent waiting in next(), summed
-STAT_RESTARTS = 2  # sampler worker restarts
-STAT_WORKERS = 3  # sampler workers alive
-STAT_RECLAIMED = 4  # segments of dead learners of the buffer the pool removed at its start
-STAT_RECLAIMED_BYTES = 5  # their bytes
-STAT_ADOPTED = 6  # 1: the pool took over a dead learner's priority table
-STAGING_STATS_LINES = 1
 
 # OFD lock offsets (advisory byte ranges on the file, beyond any data; never touch the bytes).
 LOCK_OWNER = 1 << 40
@@ -415,3 +405,21 @@ def stamp_held(index: int) -> int:
 
 def pack_meta(episode: int, step: int, final: bool = False) -> int:
     return (episode << STEP_BITS) | (FLAG_FINAL if final else 0) | (step & STEP_MASK)
+
+
+# -- moved out, for one release -------------------------------------------------------------------
+# The staging ring's pool stats words are laid out by ``workers.staging`` now, and ``shmbuf top``
+# finds them through the ring's layout document (``pool_stats``). Their old names here still read,
+# with a DeprecationWarning naming the new place, until the next release.
+_MOVED_TO_STAGING = {"STAT_BATCHES": 0, "STAT_WAIT_NS": 1, "STAT_RESTARTS": 2, "STAT_WORKERS": 3,
+                     "STAT_RECLAIMED": 4, "STAT_RECLAIMED_BYTES": 5, "STAT_ADOPTED": 6,
+                     "STAGING_STATS_LINES": 1}
+
+if not TYPE_CHECKING:  # (hidden from mypy, which would otherwise accept any name of this module)
+
+    def __getattr__(name: str) -> int:
+        if name in _MOVED_TO_STAGING:
+            warnings.warn(f"shmbuf.layout.{name} is deprecated and goes in the next release: "
+                          f"use workers.staging.{name}", DeprecationWarning, stacklevel=2)
+            return _MOVED_TO_STAGING[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The per-slot seqlock of DESIGN.md ("Protocol") and its only writer: claims, stamps, ``committed``,
+"""The per-slot seqlock of docs/design.md ("The per-slot seqlock") and its only writer: claims, stamps, ``committed``,
 the checked reads that trust a row only if its stamp held it before and after the copy, the
 fences, and the CPU check that says where the fences may be no-ops.
 

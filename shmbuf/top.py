@@ -1,7 +1,8 @@
 """``shmbuf top``: a live view of every buffer and sampler pool of this user, from shared counters.
 
 Buffers are read through ``ReplayBuffer.attach`` (lane words, limiter block); staging rings by
-``pread`` of their stats line and slot states, placed by ``shmbuf.layout`` and their layout JSON;
+``pread`` of their stats line and slot states, placed by their layout JSON (``pool_stats``,
+``slot_control``: this module imports nothing of ``workers``, which lays the ring out);
 weight stores by ``pread`` of their control line (``shmbuf.weights_layout``).
 """
 
@@ -31,12 +32,13 @@ from .weights_layout import CURRENT, PUBLISHED_NS, PUBLISHER_PID, tensors_of, we
 
 MAX_LANES_SHOWN = 16  # per buffer; the rest are summed up in one line
 MAX_CONTROL_LINES = 64  # per staging slot: a document claiming more is not read
+MAX_STATS_LINES = 64  # a staging ring's pool stats: a document claiming more is not read
 WRITING_WITHIN_S = 2.0  # a lane whose writer published this recently is "writing", else "idle"
 
 
 @dataclass
 class PoolCounters:
-    """What a staging ring's shared memory says about its pool (``layout.STAT_*``)."""
+    """What a staging ring's shared memory says about its pool (its ``pool_stats`` words)."""
 
     name: str
     owner_pid: int
@@ -56,45 +58,54 @@ class PoolCounters:
 
 def read_pool(info: SegmentInfo) -> PoolCounters | None:
     """The counters of the staging ring ``info``; None where its layout cannot be understood
-    (an older ring without a stats line, or a malformed document)."""
+    (an older ring without a ``pool_stats`` entry, or a malformed document).
+
+    The layout document places everything read here: ``pool_stats`` (the stats lines right
+    after the header, and the counters' names by word) and ``slot_control`` (lines per slot,
+    the state word, the states' names by value). A counter it does not name reads as 0."""
     header = info.header
     if header is None or header.kind != L.KIND_STAGING:
         return None
     doc = header.doc
+    stats_doc: Any = doc.get("pool_stats")
     control: Any = doc.get("slot_control")
     try:
         n_slots = int(doc["n_slots"])
+        stats_lines, stat_names = int(stats_doc["lines"]), [str(n) for n in stats_doc["words"]]
         lines, state_word = int(control["lines"]), int(control["state"])
         states = [str(s) for s in control["states"]]
         base = L.header_size(len(L.encode_layout(doc)))
     except (KeyError, TypeError, ValueError):
         return None
-    if not (0 < lines <= MAX_CONTROL_LINES and 0 <= state_word < lines):
+    if not (0 < lines <= MAX_CONTROL_LINES and 0 <= state_word < lines
+            and 0 < stats_lines <= MAX_STATS_LINES
+            and len(stat_names) <= stats_lines * L.WORDS_PER_LINE):
         return None  # not a layout this version can read
-    control_at = base + L.STAGING_STATS_LINES * L.LINE
+    control_at = base + stats_lines * L.LINE
     fd = open_regular(os.path.join(SHM_DIR, info.name))
     if fd is None:
         return None
     try:
-        stats_raw = os.pread(fd, L.STAGING_STATS_LINES * L.LINE, base)
+        stats_raw = os.pread(fd, stats_lines * L.LINE, base)
         control_raw = os.pread(fd, n_slots * lines * L.LINE, control_at)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(stats_raw) != L.STAGING_STATS_LINES * L.LINE or len(control_raw) != n_slots * lines * L.LINE:
+    if len(stats_raw) != stats_lines * L.LINE or len(control_raw) != n_slots * lines * L.LINE:
         return None
-    stats = np.frombuffer(stats_raw, "<i8")
     words = np.frombuffer(control_raw, "<i8").reshape(n_slots, lines, L.WORDS_PER_LINE)
     values = words[:, state_word, 0]
     counts = {name: int((values == v).sum()) for v, name in enumerate(states)}
+    stats = np.frombuffer(stats_raw, "<i8")
+    stat = {name: int(stats[i]) for i, name in enumerate(stat_names)}
     return PoolCounters(
         name=info.name, owner_pid=header.owner_pid, alive=info.alive,
         buffer=str(doc.get("buffer", "?")), batch_size=int(doc.get("batch_size", 0)),
-        n_slots=n_slots, slots=counts, batches=int(stats[L.STAT_BATCHES]),
-        wait_ns=int(stats[L.STAT_WAIT_NS]), restarts=int(stats[L.STAT_RESTARTS]),
-        workers=int(stats[L.STAT_WORKERS]), reclaimed=int(stats[L.STAT_RECLAIMED]),
-        reclaimed_bytes=int(stats[L.STAT_RECLAIMED_BYTES]), adopted=bool(stats[L.STAT_ADOPTED]),
+        n_slots=n_slots, slots=counts, batches=stat.get("batches", 0),
+        wait_ns=stat.get("wait_ns", 0), restarts=stat.get("restarts", 0),
+        workers=stat.get("workers", 0), reclaimed=stat.get("reclaimed", 0),
+        reclaimed_bytes=stat.get("reclaimed_bytes", 0), adopted=bool(stat.get("adopted", 0)),
     )
 
 

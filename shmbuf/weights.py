@@ -27,7 +27,7 @@ from .errors import (
 )
 from .lease import Lease
 from .segment import Segment
-from .slots import load_fence, store_fence
+from .slots import load_fence, mark_held, mark_writing, store_fence
 from .weights_layout import (
     COPIES,
     CURRENT,
@@ -63,12 +63,10 @@ def publish_version(words: memoryview, lay: WeightsLayout, copies: list[list[np.
     version = int(words[lay.control_word(CURRENT)]) + 1
     copy = version % COPIES
     stamp = lay.stamp_word(copy)
-    words[stamp] = L.stamp_writing(version)
-    store_fence()
+    mark_writing(words, stamp, version)  # the slots' seqlock, one stamp per copy
     for dst, src in zip(copies[copy], arrays):
         np.copyto(dst, src, casting="equiv")
-    store_fence()
-    words[stamp] = L.stamp_held(version)
+    mark_held(words, stamp, version)
     store_fence()
     words[lay.control_word(CURRENT)] = version
     return version

@@ -28,8 +28,8 @@ from workers.cluster import (  # noqa: E402
     ReplayCluster,
     current_node_id,
 )
-from workers.cluster_nodes import node_alive  # noqa: E402
-from workers.cluster_sources import NodeLost  # noqa: E402
+from workers.cluster.nodes import node_alive  # noqa: E402
+from workers.cluster.sources import NodeLost  # noqa: E402
 from workers.selection import Queue  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]

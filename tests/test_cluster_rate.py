@@ -21,7 +21,7 @@ import shmbuf  # noqa: E402
 from shmbuf.limiter import RateLimit  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
 from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
-from workers.cluster_rate import NodeLimit, cluster_report  # noqa: E402
+from workers.cluster.rate import NodeLimit, cluster_report  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240)]
 

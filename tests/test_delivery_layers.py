@@ -1,4 +1,4 @@
-"""A pool's delivery is its host delivery under at most one layer (``workers.delivery_layers``):
+"""A pool's delivery is its host delivery under at most one layer (``workers.delivery.layers``):
 which layer each setting gives, that a layer's surface is its host's (the ring, fences,
 closing, workers, stats), and that a layer hands its batches out and back the way the host
 does: the queue's rows are consumed when the learner lets a layered batch go, on a clean close
@@ -15,11 +15,11 @@ import pytest
 from tests import pool_procs as procs
 from workers import SamplerPool
 from workers.config import Workers
-from workers.delivery_device import DeviceDelivery
-from workers.delivery_jax import JaxDelivery
-from workers.delivery_local import InProcessDelivery
-from workers.delivery_pinned import PinnedDelivery
-from workers.delivery_ring import RingDelivery
+from workers.delivery.device import DeviceDelivery
+from workers.delivery.jax import JaxDelivery
+from workers.delivery.local import InProcessDelivery
+from workers.delivery.pinned import PinnedDelivery
+from workers.delivery.ring import RingDelivery
 
 pytestmark = pytest.mark.timeout(90)
 B = 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers import demo_line
-from workers.demo_line import LiveLine
+from workers.demo import line as demo_line
+from workers.demo.line import LiveLine
 
 
 @pytest.fixture

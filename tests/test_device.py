@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from tests import pool_procs as procs
-from workers import SamplerPool, delivery_pinned
-from workers import delivery as delivery_mod
+from workers import SamplerPool
 from workers import device as device_mod
 from workers.config import Device, Output, Workers
+from workers.delivery import base as delivery_base
+from workers.delivery import pinned as delivery_pinned
 from workers.device import DeviceStage, DeviceUnavailableError, SlotFences
 
 torch = pytest.importorskip("torch")
@@ -178,7 +179,7 @@ def fake(monkeypatch):
     def factory(lazy: str, thread: bool = True) -> FakeBackend:
         be = FakeBackend(FakeDevice(lazy, thread=thread))
         made.append(be)
-        monkeypatch.setattr(delivery_mod, "make_backend", lambda device: be)
+        monkeypatch.setattr(delivery_base, "make_backend", lambda device: be)
         return be
 
     yield factory

@@ -27,7 +27,7 @@ import pytest
 import shmbuf
 from workers import SamplerPool, supervise
 from workers.config import Workers
-from workers.supervise import MainModuleReimportError
+from workers.errors import MainModuleReimportError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT_TIMEOUT = 90.0

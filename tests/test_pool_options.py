@@ -41,7 +41,8 @@ from shmbuf import RateLimit
 from shmbuf.sampling import Plan
 from tests import pool_procs as procs
 from workers import SamplerPool
-from workers.config import Device, OptionError, Output, Transform, Workers
+from workers.config import Device, Output, Transform, Workers
+from workers.errors import OptionError
 from workers.selection import (
     SHORTHANDS,
     Counted,
@@ -406,8 +407,8 @@ def test_a_selection_shorthand_is_its_strategy_with_the_defaults(buf, name):
 # ClusterSampler: the same options, checked without Ray's cluster
 # --------------------------------------------------------------------------------------------
 def _cluster_options() -> Any:
-    pytest.importorskip("ray")  # (workers.cluster_sampler imports it; no cluster is started)
-    from workers.cluster_sampler import _cluster_options
+    pytest.importorskip("ray")  # (workers.cluster.sampler imports it; no cluster is started)
+    from workers.cluster.sampler import _cluster_options
 
     return _cluster_options
 

@@ -28,8 +28,9 @@ import pytest
 
 from shmbuf.errors import ClosedError
 from tests import pool_procs as procs
-from workers import SamplerPool, delivery_ring, learner_ring, selection
+from workers import SamplerPool, learner_ring, selection
 from workers.config import Workers
+from workers.delivery import ring as delivery_ring
 from workers.staging import FILLING, HELD, LEARNER, READY, StagingRing, slot_arrays
 
 pytestmark = pytest.mark.timeout(90)
@@ -302,7 +303,8 @@ STRACE_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
     from tests import pool_procs as procs
-    from workers import SamplerPool, delivery_ring
+    from workers import SamplerPool
+    from workers.delivery import ring as delivery_ring
     from workers.config import Workers
     from workers.staging import FILLING, HELD, READY
     delivery_ring.CHECK_EVERY_NS = 3600 * 10**9

@@ -161,7 +161,7 @@ def test_ledger_finds_repeats_within_an_epoch_and_past_max_times_sampled() -> No
 @pytest.mark.parametrize("mode", list(MODES))
 def test_chaos_mode_passes_with_a_learner_killed_early(mode: str) -> None:
     cmd = [sys.executable, str(SCRIPTS / "stress.py"), "--chaos", "--mode", mode,
-           "--seconds", "2.5", "--actors", "2", "--workers", "2", "--capacity", "1024",
+           "--seconds", "4", "--actors", "2", "--workers", "2", "--capacity", "1024",
            "--payload", "64", "--kill-every", "0.4", "--stop-every", "0.5", "--stop-for",
            "0.05,0.4", "--learner-kill-every", "1,1.5", "--hang-timeout", "20",
            "--train-step", "0.001",  # (a killed learner then mostly holds a reported batch)

@@ -181,22 +181,62 @@ def test_demo_plot_without_matplotlib_says_how_to_install_before_starting(
     assert "shmbuf demo:" not in capsys.readouterr().out  # nothing was started
 
 
-@pytest.mark.parametrize("control", [None, {"lines": 1 << 40, "state": 0, "states": []},
-                                     {"lines": 4, "state": 9, "states": ["free"]}, "junk"])
-def test_a_staging_ring_top_cannot_read_is_left_out(control, capsys):
+GOOD_CONTROL = {"lines": 4, "state": 0, "owner": 1, "states": ["free", "ready"]}
+GOOD_STATS = {"lines": 1, "words": ["batches", "wait_ns"]}
+
+
+@pytest.mark.parametrize(("control", "stats"), [
+    (None, GOOD_STATS), ({"lines": 1 << 40, "state": 0, "states": []}, GOOD_STATS),
+    ({"lines": 4, "state": 9, "states": ["free"]}, GOOD_STATS), ("junk", GOOD_STATS),
+    (GOOD_CONTROL, None),  # an older ring: its stats words are not in its document
+    (GOOD_CONTROL, {"lines": 1 << 40, "words": []}), (GOOD_CONTROL, {"lines": 1}),
+    (GOOD_CONTROL, {"lines": 1, "words": ["w"] * 9}),  # more words than its line holds
+    (GOOD_CONTROL, "junk"),
+])
+def test_a_staging_ring_top_cannot_read_is_left_out(control, stats, capsys):
     from shmbuf import layout
     from shmbuf.scan import scan
     from shmbuf.segment import Segment
     from shmbuf.top import read_pool
 
     doc = {"kind": "staging", "n_slots": 2, "arrays": [], "buffer": "b", "batch_size": 1}
-    if control is not None:
-        doc["slot_control"] = control
+    for key, value in (("slot_control", control), ("pool_stats", stats)):
+        if value is not None:
+            doc[key] = value
     seg = Segment.create(None, layout.KIND_STAGING, doc, lambda n: layout.header_size(n) + 4096)
     try:
         info = next(i for i in scan() if i.name == seg.name)
         assert read_pool(info) is None
         assert cli.main(["top", "--once", "--interval", "0.01"]) == 0
         assert seg.name not in capsys.readouterr().out
+    finally:
+        seg.close()
+
+
+def test_top_reads_the_pool_counters_where_the_rings_document_places_them():
+    """``shmbuf top`` imports nothing of ``workers``: it finds the stats words by the names the
+    ring's layout document lists (``pool_stats``), here in an order of the test's own, and a
+    word it does not list reads as 0."""
+    from shmbuf import layout
+    from shmbuf.scan import scan
+    from shmbuf.segment import Segment
+    from shmbuf.top import read_pool
+
+    doc = {"kind": "staging", "n_slots": 2, "arrays": [], "buffer": "b", "batch_size": 1,
+           "slot_control": GOOD_CONTROL, "pool_stats": {"lines": 1, "words": [
+               "workers", "batches", "unknown", "restarts", "wait_ns"]}}
+    seg = Segment.create(None, layout.KIND_STAGING, doc, lambda n: layout.header_size(n) + 4096)
+    try:
+        words = memoryview(seg.buf).cast("q")
+        base = layout.header_size(len(layout.encode_layout(doc))) // 8
+        for i, value in enumerate([3, 70, 99, 2, 5_000]):
+            words[base + i] = value
+        words[base + 8 + 4 * 8 * 1] = 1  # slot 1's state (control line 0 of 4): "ready"
+        pool = read_pool(next(i for i in scan() if i.name == seg.name))
+        words.release()
+        assert pool is not None
+        assert (pool.workers, pool.batches, pool.restarts, pool.wait_ns) == (3, 70, 2, 5_000)
+        assert (pool.reclaimed, pool.reclaimed_bytes, pool.adopted) == (0, 0, False)
+        assert pool.slots == {"free": 1, "ready": 1}
     finally:
         seg.close()

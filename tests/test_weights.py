@@ -122,6 +122,9 @@ def _reader_main(conn: Any, name: str, how: str) -> None:
         if how == "torch":
             import torch
 
+            # a forked child of a parent whose OpenMP pool ran hangs in its first parallel
+            # region (libgomp is not fork-safe): one thread keeps torch out of them
+            torch.set_num_threads(1)
             tensors = {n: torch.from_numpy(a) for n, a in out.items()}
 
             def read(newer: int | None) -> int | None:

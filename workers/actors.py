@@ -23,9 +23,10 @@ import numpy as np
 
 from shmbuf import ReplayBuffer, Writer
 from shmbuf.checks import timeout_seconds
-from shmbuf.errors import ActorError, ClosedError
+from shmbuf.errors import ClosedError
 
 from .channel import OP_DONE, OP_ERROR, Channel, ChildEnd
+from .errors import ActorError
 from .supervise import Child, ChildSet, refuse_main_reimport
 
 RESTART_POLICIES = ("on-failure", "never")

@@ -48,9 +48,9 @@ class Batch(_Fields, Mapping[str, Any]):
         lanes: lane of each row (``int64[B]``).
         weights: importance weights (``float32[B]``), all ones for uniform sampling.
         slot: the staging slot (or, with ``device=``, the device buffer) it occupies.
-        epoch: ``sampler="epoch"``: the epoch (from 0) its rows belong to (its first rows',
+        epoch: ``selection=Epoch()``: the epoch (from 0) its rows belong to (its first rows',
             if the remainder of an epoch was carried into it); else None.
-        ends_epoch: ``sampler="epoch"``: the last batch of its epoch (``SamplerPool.epoch``
+        ends_epoch: ``selection=Epoch()``: the last batch of its epoch (``SamplerPool.epoch``
             stops after it).
     """
 

@@ -9,7 +9,7 @@ its worker's) without any shared lock. Each hop costs one syscall on each side (
 The parent wakes a child blocked in ``wait`` by writing the channel's eventfd (``wake``), not by
 a record: the write allocates no socket buffer and is a plain wake-up, where a socket's carries
 the kernel's "sync" hint, which can place the child on the waker's CPU. Measured on a 2-core
-VM, a record cost the learner 30-35 us and the eventfd 12-15 us (docs/design-notes.md).
+VM, a record cost the learner 30-35 us and the eventfd 12-15 us (docs/design.md, "Where measurement moved us").
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from shmbuf.layout import MAX_SAMPLERS
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
+from .errors import OptionError
 from .legacy import (
     EPOCH,
     LEGACY_KEYWORDS,
@@ -34,7 +35,6 @@ from .legacy import (
     PRIORITIZED,
     SELECTION,
     WORKERS,
-    OptionError,
     callers_level,
     limit_of,
     selection_of,

@@ -1,26 +1,18 @@
-"""``layered``: a pool's delivery, its host delivery under the layer its settings ask for."""
+"""Deprecated: ``workers.delivery_layers`` is ``workers.delivery.layers`` now; the old name stays for one
+release.
+
+Importing it warns once, with a ``DeprecationWarning`` naming the new path, and gives the new
+module itself (``sys.modules`` maps the old name to it), so every name, private ones and
+monkeypatches included, is the same object under both names.
+"""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
-from .delivery import Delivery, HostDelivery, PoolParts
-from .delivery_device import DeviceDelivery
-from .delivery_jax import JaxDelivery
-from .delivery_pinned import PinnedDelivery
+from workers.delivery import layers as _new
 
-
-def layered(host: HostDelivery, parts: PoolParts) -> Delivery:
-    """``host`` as it is (NumPy or torch views), or under device copies (``device=``), JAX
-    arrays (``output="jax"``) or page-locked releases (``pin_memory=True``). Raises
-    ``ImportError`` (with the fix) before anything starts if the layer's library is missing."""
-    cfg = parts.cfg
-    if parts.backend is not None:  # (device= implies output="torch")
-        return DeviceDelivery(host, parts.backend)
-    if cfg.pin_memory and cfg.output != "torch":
-        warnings.warn("pin_memory=True only applies to output='torch'", stacklevel=4)
-    if cfg.output == "jax":
-        return JaxDelivery(host)
-    if cfg.pin_memory and cfg.output == "torch":
-        return PinnedDelivery(host)
-    return host
+warnings.warn(f"{__name__} is deprecated and goes in the next release: import {_new.__name__}",
+              DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _new

@@ -12,7 +12,7 @@ Two hazards, one rule each:
 The CUDA specifics sit behind a small ``Backend`` (allocate, copy on the copy stream, record and
 wait for events), so the fencing logic runs in CI against a fake device whose copies happen
 later, exactly when a real DMA would (see tests/test_device.py). The deliveries that use them:
-``delivery_device`` (``device=``), ``delivery_pinned`` (``pin_memory=True``), and ``Batch.to``
+``delivery.device`` (``device=``), ``delivery.pinned`` (``Output("torch", pin_memory=True)``), and ``Batch.to``
 (``delivery.HostDelivery.batch_to``).
 
 Concurrency: everything here runs in the learner's thread (the pool's owner). Workers never see
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shmbuf.errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError
 
 
 class Fence(Protocol):
@@ -96,7 +96,7 @@ def page_lock(torch: Any, span: tuple[Any, int, int] | None) -> tuple[Any, int] 
     failed). Private in-process slots (``span`` None) are not pinned: copies from them are
     synchronous, and they are refilled only after their fences pass anyway."""
     if not torch.cuda.is_available():
-        warnings.warn("pin_memory=True but CUDA is not available; staging stays pageable",
+        warnings.warn("Output(pin_memory=True) but CUDA is not available; staging stays pageable",
                       stacklevel=7)
         return None
     if span is None:

@@ -1,7 +1,7 @@
 """``BatchFiller``: fills one staging slot with a batch: draw (or gather the rows the learner chose),
 apply the user's transform, record which rows it holds, and count the samples with the buffer's
 rate limiter. The one filler of both ways of filling: sampler workers (``sampler_proc``) and the
-in-process delivery (``delivery_local``).
+in-process delivery (``delivery.local``).
 """
 
 from __future__ import annotations

@@ -12,17 +12,11 @@ from types import FrameType
 from typing import Any
 
 from shmbuf.checks import positive_int
-from shmbuf.errors import ShmbufError
 from shmbuf.limiter import RateLimit
 from shmbuf.sampling.plan import Plan
 
+from .errors import OptionError
 from .selection import Counted, Epoch, Prioritized, Queue, SelectionSpec, Uniform
-
-
-class OptionError(ShmbufError, TypeError):
-    """An option that the chosen strategy does not take (``SamplerPool(..., alpha=0.1)`` with a
-    uniform selection), or one given twice; the message names the object that takes it."""
-
 
 # Each earlier keyword, by the object that now holds it (and its name there).
 WORKERS = {"n_workers": "n", "n_staging": "staging", "start_method": "start_method",

@@ -29,9 +29,9 @@ from shmbuf.window_priority import WindowPriorityTable
 from .batch import Batch
 from .config import Device, Output, PoolConfig, Transform, Workers, legacy_options
 from .delivery import Delivery, PoolParts, device_backend
-from .delivery_layers import layered
-from .delivery_local import InProcessDelivery
-from .delivery_ring import RingDelivery
+from .delivery.layers import layered
+from .delivery.local import InProcessDelivery
+from .delivery.ring import RingDelivery
 from .device import Backend
 from .epochs import EpochIteration
 from .selection import Selection, SelectionSpec, UniformSelection
@@ -244,7 +244,7 @@ class SamplerPool(EpochIteration):
         self._check_open()
         if not self._selection.prioritized:
             raise ShmbufError("update_priorities() needs a prioritized pool: SamplerPool(..., "
-                              "sampler='prioritized')")
+                              "selection=Prioritized(alpha=...)) (workers.selection)")
         lanes, indices, priorities = _host_update(self._delivery, lanes, indices, priorities)
         priorities = _window_priorities(self._selection.table, lanes, indices, priorities, mask)
         return self._selection.update(lanes, indices, priorities)
@@ -300,7 +300,7 @@ class SamplerPool(EpochIteration):
         """Stop the workers (gracefully, then firmly), lift the rate limit and free the staging
         ring. Wakes a thread blocked in ``next()``. Idempotent.
 
-        With ``sampler="queue"``, the batch in the learner's hands counts as consumed (the next
+        With ``selection=Queue()``, the batch in the learner's hands counts as consumed (the next
         queue pool on the buffer starts after it), unless the pool's ``with`` block is left by
         an exception: then it comes again, as after a crash."""
         timeout = timeout_seconds("timeout", timeout)

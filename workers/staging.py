@@ -2,9 +2,9 @@
 
 Layout after the common shmbuf header page (see ``shmbuf.layout``):
 
-- pool stats: ``STAGING_STATS_LINES`` 64-byte line(s) of u64 counters (``shmbuf.layout.STAT_*``:
-  batches delivered, learner wait ns, worker restarts, worker count), stored
-  only by the learner (``PoolStats``), read by ``shmbuf top`` from another process.
+- pool stats: ``STAGING_STATS_LINES`` 64-byte line(s) of u64 counters (``STAT_*``: batches
+  delivered, learner wait ns, worker restarts, worker count, what was reclaimed at the start),
+  stored only by the learner (``PoolStats``), read by ``shmbuf top`` from another process.
 - slot control: ``CONTROL_LINES`` 64-byte lines per slot, one u64 per line: ``STATE`` (FREE,
   ASSIGNED, FILLING, READY, HELD, ASSIGNED_ROWS, STALE), ``OWNER`` (worker id or -1),
   ``GENERATION`` (a new, larger value every time the slot is handed out or reclaimed: the order
@@ -14,9 +14,10 @@ Layout after the common shmbuf header page (see ``shmbuf.layout``):
 - per-slot data, each slot starting on a page: every array ``[B, *shape]`` 64-byte aligned, in the
   order of the layout document (fields, then ``_indices``, ``_lanes``, ``_weights``...).
 
-The layout document's ``slot_control`` entry (``CONTROL_LINES``, the state and owner word
-indices, ``STATE_NAMES``) lets readers that do not import ``workers`` (``shmbuf top``) find
-the slot states.
+The layout document's ``pool_stats`` entry (``STAGING_STATS_LINES`` and ``STAT_NAMES``, the
+counters' names by word) and its ``slot_control`` entry (``CONTROL_LINES``, the state and owner
+word indices, ``STATE_NAMES``) let readers that do not import ``workers`` (``shmbuf top``) find
+the counters and the slot states.
 
 Concurrency: a slot's words and data are written only by whoever holds the slot, and ownership
 moves by the store of its STATE word, the last store of a hand-over (learner -> worker:
@@ -51,7 +52,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuf import layout as L
 from shmbuf.errors import ClosedError
 from shmbuf.layout import KIND_STAGING, LINE, PAGE, align, encode_layout, header_size
 from shmbuf.segment import Segment
@@ -66,6 +66,20 @@ LEARNER = 0  # waiter line of the learner; worker ``w`` has line ``1 + w``
 
 W_STATE, W_OWNER, W_GENERATION, W_SEQ = range(4)
 CONTROL_LINES = 4
+
+# The pool stats: u64 words packed in STAGING_STATS_LINES line(s) right after the header page,
+# all stored by the learner (the ring's owner) only.
+STAT_BATCHES = 0  # batches delivered to the learner
+STAT_WAIT_NS = 1  # nanoseconds the learner spent waiting in next(), summed
+STAT_RESTARTS = 2  # sampler worker restarts
+STAT_WORKERS = 3  # sampler workers alive
+STAT_RECLAIMED = 4  # segments of dead learners of the buffer the pool removed at its start
+STAT_RECLAIMED_BYTES = 5  # their bytes
+STAT_ADOPTED = 6  # 1: the pool took over a dead learner's priority table
+STAGING_STATS_LINES = 1
+# The words' names by index, as the layout document's ``pool_stats`` lists them.
+STAT_NAMES = ("batches", "wait_ns", "restarts", "workers", "reclaimed", "reclaimed_bytes",
+              "adopted")
 
 # Arrays every slot carries besides the batch's fields.
 INDICES, LANES, WEIGHTS = "_indices", "_lanes", "_weights"
@@ -145,7 +159,7 @@ def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
     """Pure layout math for a ring of ``n_slots`` slots holding ``arrays`` (shapes with batch),
     and ``n_waiters`` waiting words (the learner and its workers)."""
     header = header_size(json_len)
-    control = header + L.STAGING_STATS_LINES * LINE
+    control = header + STAGING_STATS_LINES * LINE
     waiters = control + n_slots * CONTROL_LINES * LINE
     data = align(waiters + n_waiters * LINE, PAGE)
     offset = 0
@@ -160,7 +174,7 @@ def staging_layout(arrays: list[tuple[str, tuple[int, ...], Any]], n_slots: int,
 
 
 class PoolStats:
-    """The pool counters in a staging ring's stats line (``shmbuf.layout.STAT_*``).
+    """The pool counters in a staging ring's stats line (``STAT_*``).
 
     Concurrency: only the learner (the ring's owner) stores these words, each an aligned u64
     store; readers (``shmbuf top``) may see one word updated before another.
@@ -170,19 +184,19 @@ class PoolStats:
         self._words = words
         self._base = stats_offset // 8
         # (the learner's records name these words: the compiled take counts in them too)
-        self.delivered_words = (self._base + L.STAT_BATCHES, self._base + L.STAT_WAIT_NS)
+        self.delivered_words = (self._base + STAT_BATCHES, self._base + STAT_WAIT_NS)
 
     def set_workers(self, n: int) -> None:
-        self._words[self._base + L.STAT_WORKERS] = n
+        self._words[self._base + STAT_WORKERS] = n
 
     def set_restarts(self, n: int) -> None:
-        self._words[self._base + L.STAT_RESTARTS] = n
+        self._words[self._base + STAT_RESTARTS] = n
 
     def set_reclaimed(self, segments: int, nbytes: int, adopted: bool) -> None:
         """What the pool reclaimed at its start from dead learners of its buffer."""
         q, base = self._words, self._base
-        q[base + L.STAT_RECLAIMED], q[base + L.STAT_RECLAIMED_BYTES] = segments, nbytes
-        q[base + L.STAT_ADOPTED] = int(adopted)
+        q[base + STAT_RECLAIMED], q[base + STAT_RECLAIMED_BYTES] = segments, nbytes
+        q[base + STAT_ADOPTED] = int(adopted)
 
     def batch_delivered(self, wait_ns: int) -> None:
         """One more batch reached the learner after it waited ``wait_ns``."""
@@ -239,6 +253,7 @@ class StagingRing:
             "kind": "staging",
             "n_slots": n_slots,
             "n_waiters": 1 + n_workers,
+            "pool_stats": {"lines": STAGING_STATS_LINES, "words": list(STAT_NAMES)},
             "slot_control": {"lines": CONTROL_LINES, "state": W_STATE, "owner": W_OWNER,
                              "states": list(STATE_NAMES)},
             "arrays": [

@@ -16,11 +16,11 @@ import weakref
 from types import FrameType
 from typing import Any, Callable, Generic, TypeVar
 
-from shmbuf.errors import ShmbufError
 from shmbuf.scan import scan
 from shmbuf.shmdir import unlink
 
 from .channel import OP_STOP, Channel
+from .errors import MainModuleReimportError
 
 READABLE = select.POLLIN | select.POLLHUP | select.POLLERR
 
@@ -127,12 +127,6 @@ os.register_at_fork(after_in_child=_close_parent_only_in_child)
 
 
 # -- the main module re-run by a child ----------------------------------------------------------
-class MainModuleReimportError(ShmbufError, RuntimeError):
-    """Processes were to be started while a child process re-ran the main module as
-    ``__mp_main__`` (the spawn and forkserver start methods import the main script in every
-    process they start): the script lacks ``if __name__ == "__main__":``."""
-
-
 # What a ChildSet's name starts, in the user's words.
 _STARTERS = {"shmbuf-sampler": "SamplerPool(workers > 0)", "shmbuf-actor": "ActorGroup"}
 _CHILD_MAIN = "__mp_main__"  # the main module's name while a spawned (or forkserver) child runs it

@@ -1,8 +1,5 @@
-"""``ReplayCluster``: node-local replay buffers on a Ray cluster, actors writing on their own node
-through shared memory, and one sampler for the learner over the union of all nodes' rows.
-
-Needs the ``ray`` extra (``pip install 'shmbuf[ray]'``) and a connected Ray (``ray.init``).
-Transitions never leave the node they were written on until a batch is drawn.
+"""``ReplayCluster``: one host actor per Ray node, each owning that node's buffer; the writers,
+samplers and actors of the cluster are made from it.
 """
 
 from __future__ import annotations
@@ -19,26 +16,11 @@ from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.errors import ClosedError
 from shmbuf.scan import scan
 
-from .cluster_actors import ClusterActorContext, ClusterActors
-from .cluster_host import NodeHost, remove_leaked_segments
-from .cluster_nodes import (
-    NAME_PREFIX,
-    ClusterClient,
-    HostRestartedWarning,
-    NodeLostError,
-    NodeLostWarning,
-    NoHostOnNodeError,
-    alive_node_ids,
-    current_node_id,
-    detach_all,
-    on_node,
-)
-from .cluster_sampler import ClusterBatch, ClusterSampler
-from .supervise import MainModuleReimportError, refuse_main_reimport
-
-__all__ = ["ClusterActorContext", "ClusterActors", "ClusterBatch", "ClusterClient", "ClusterSampler", "HostRestartedWarning",
-           "MainModuleReimportError", "NoHostOnNodeError", "NodeLostError", "NodeLostWarning",
-           "ReplayCluster", "alive_node_ids", "current_node_id", "on_node"]
+from ..supervise import refuse_main_reimport
+from .actors import ClusterActors
+from .host import NodeHost, remove_leaked_segments
+from .nodes import NAME_PREFIX, ClusterClient, alive_node_ids, detach_all, on_node
+from .sampler import ClusterSampler
 
 
 class ReplayCluster(ClusterClient):
@@ -99,6 +81,7 @@ class ReplayCluster(ClusterClient):
         self._samplers: list[Any] = []
         self._groups: list[ClusterActors] = []
         self._closed = False
+        self._dropped = 0  # hosts killed by drop_node
         host_cls = ray.remote(NodeHost)
         try:
             for node in nodes:
@@ -146,6 +129,7 @@ class ReplayCluster(ClusterClient):
         host = self.hosts.pop(node_id, None)
         self.buffer_names.pop(node_id, None)
         if host is not None:
+            self._dropped += 1  # close() waits for its segments (a node alive on this machine)
             try:
                 ray.kill(host, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -184,9 +168,11 @@ class ReplayCluster(ClusterClient):
                 pass
         detach_all(f"{NAME_PREFIX}{self.tag}-")
         self.remove_leaked()
-        # A host killed above (it did not close in time) leaves its segment once its process
-        # has exited, which ray.kill does not wait for: remove it then, within the timeout.
-        while unclosed and self._segments_here() and time.monotonic() < deadline + timeout:
+        # A host killed above (it did not close in time) or dropped by a sampler leaves its
+        # segments once its process has exited, which ray.kill does not wait for: remove them
+        # then, within the timeout (on a lost machine they went with it).
+        while ((unclosed or self._dropped) and self._segments_here()
+               and time.monotonic() < deadline + timeout):
             time.sleep(0.1)
             self.remove_leaked()
 

@@ -1,12 +1,6 @@
-"""Delivery: how filled batches reach the learner, one interface over layers.
-
-``Delivery`` is what the pool calls. A ``HostDelivery`` fills staging slots and hands them out
-as host batches (NumPy views, or torch views with ``Batch.to``): ``InProcessDelivery``
-(``delivery_local.py``) fills one slot in this process, ``RingDelivery`` (``delivery_ring.py``)
-takes slots that sampler workers filled. A ``DeliveryLayer`` wraps a host delivery and makes
-its own batches of the host's slots: device copies (``delivery_device.py``), JAX arrays
-(``delivery_jax.py``), page-locked releases (``delivery_pinned.py``); ``delivery_layers.layered``
-picks the one a pool's settings ask for.
+"""What every delivery shares: the ``Delivery`` interface the pool calls, ``HostDelivery`` (slots
+handed out as host batches) and ``DeliveryLayer`` (a wrapper making its own batches of a host
+delivery's slots), with the parts a pool gives them (``PoolParts``).
 """
 
 from __future__ import annotations
@@ -23,12 +17,12 @@ from shmbuf import ReplayBuffer
 from shmbuf.errors import ClosedError
 from shmbuf.priority import importance_weights
 
-from .batch import Batch
-from .config import PoolConfig
-from .device import Backend, Fence, SlotFences, fenced_copy, make_backend
-from .selection import Selection
-from .staging import INDICES, INFO, LANES, PMIN, PROBS, WEIGHTS
-from .supervise import Child
+from ..batch import Batch
+from ..config import PoolConfig
+from ..device import Backend, Fence, SlotFences, fenced_copy, make_backend
+from ..selection import Selection
+from ..staging import INDICES, INFO, LANES, PMIN, PROBS, WEIGHTS
+from ..supervise import Child
 
 
 def device_backend(device: Any) -> Backend | None:

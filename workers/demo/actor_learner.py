@@ -1,8 +1,5 @@
-"""``shmbuf demo``: actors stepping environments write to a shared buffer; a sampler pool feeds a
-learner loop. Prints a live line of rates and a summary. The README's main job.
-
-Run with ``shmbuf demo`` (a plugin command of the shmbuf CLI) or ``python -m workers.demo``;
-``--ray-nodes N`` runs it across N local Ray nodes (``workers.cluster_demo``).
+"""The actor-learner demo on this machine: actor processes step environments into a shared
+buffer while a sampler pool feeds a learner loop (``--ray-nodes N``: ``ray_nodes.run_ray``).
 """
 
 from __future__ import annotations
@@ -18,12 +15,12 @@ from shmbuf import RateLimit, ReplayBuffer, Spec
 from shmbuf.segment import fmt_bytes
 from shmbuf.shmdir import shm_free_bytes
 
-from .actors import ActorContext, ActorGroup
-from .config import Workers
-from .demo_line import LiveLine
+from ..actors import ActorContext, ActorGroup
+from ..config import Workers
+from ..pool import SamplerPool
 from .envs import SyntheticAtari, transition_spec_kwargs
+from .line import LiveLine
 from .plot import plots_throughput
-from .pool import SamplerPool
 
 
 def env_actor(ctx: ActorContext, env_id: str | None = None) -> None:
@@ -108,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     spec = _spec_for(args.env)
     capacity = _capacity_for(spec, args.actors, args.capacity, args.batch_size)
     if args.ray_nodes is not None:
-        from .cluster_demo import run_ray
+        from .ray_nodes import run_ray
 
         return run_ray(args, spec, functools.partial(env_actor, env_id=args.env), train_step,
                        capacity, demo_limits)
@@ -148,43 +145,3 @@ def run(args: argparse.Namespace) -> int:
           f"learner waited {100 * st['learner_wait_frac']:.1f}% of the time; "
           f"sampler restarts {st['restarts']}, actor restarts {group.restarts}")
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seconds", type=float, default=15.0, help="how long to run (default 15)")
-    p.add_argument("--actors", type=int, default=2, help="actor processes (default 2)")
-    p.add_argument("--workers", type=int, default=2, help="sampler workers (default 2)")
-    p.add_argument("--batch-size", type=int, default=256, help="batch size (default 256)")
-    p.add_argument("--capacity", type=int, default=None,
-                   help="transitions per lane (default: fits a quarter of /dev/shm, <= 512 MiB)")
-    p.add_argument("--min-size", type=int, default=2000, help="transitions before sampling")
-    p.add_argument("--samples-per-insert", type=float, default=None,
-                   help="rate-limit to this many samples per inserted transition")
-    p.add_argument("--train-ms", type=float, default=2.0,
-                   help="synthetic compute per train step, in ms (default 2)")
-    p.add_argument("--env", default=None, help="a gymnasium env id (needs gymnasium)")
-    p.add_argument("--start-method", default=None, choices=["fork", "forkserver", "spawn"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", metavar="PNG", default=None,
-                   help="draw throughput over time to this file at the end (needs matplotlib)")
-    p.add_argument("--ray-nodes", type=int, default=None, metavar="N",
-                   help="run across N local Ray nodes (ray.cluster_utils.Cluster): --actors "
-                        "and --workers are per node; needs pip install 'shmbuf[ray]'")
-
-
-def register(subparsers: Any) -> None:
-    """Plugin hook of the ``shmbuf`` CLI (entry point group ``shmbuf.commands``)."""
-    p = subparsers.add_parser("demo", help="run the actor-learner demo",
-                              description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.demo", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
