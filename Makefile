@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-ray test test-ray lint demo demo-ray stress bench bench-ray clean
+.PHONY: install install-ray test test-ray lint demo demo-ray stress bench bench-ray clean conformance
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ demo-ray: install-ray
 
 bench-ray: install-ray
 	$(BIN)/python scripts/bench_cluster.py
+
+# SB3's own buffer and off-policy algorithm tests, run with SB3's replay buffers and with
+# shmbuf's (tests/conformance/sb3_suite.py; downloads SB3's sdist into build/conformance).
+conformance: install
+	$(BIN)/python -m pip install -q -e '.[sb3]'
+	$(BIN)/python -m tests.conformance.sb3_suite
 
 lint: install
 	$(BIN)/ruff check .

@@ -17,16 +17,24 @@ All rows in one run, per workload (atari: uint8 4x84x84, 7.2 MB a batch; mujoco:
   cluster, busy     3 nodes, no writers, the learner computing between batches for 1.5x the
                     free-running batch time (the hosts keep up): the learner's wait per batch
   cluster, spi      3 nodes, one writer per node, ``samples_per_insert=(1, 16 batches)``: the
-                    samples per insert over the window (writers held on every node), and how
-                    far the inserts stand past the limit once the learner stops
+                    samples per insert over the window (writers held on every node), how
+                    far the inserts stand past the limit once the learner stops, and each
+                    node's share of the inserts (target: the largest <= 1.5x the smallest;
+                    ``--spi-seconds 30`` for the issue's window)
+
+With ``--isolated`` (root) the 3 nodes share nothing but the filesystem: each has its own
+network namespace, /dev/shm and host name (``workers.cluster.netns``), and the benchmark runs
+inside the head node; Ray's raw rows are then the transfer between those nodes.
 
     python scripts/bench_cluster.py [--quick] [--seconds S] [--workloads atari,mujoco] [--json P]
+                                    [--isolated]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -45,7 +53,7 @@ from shmbuf import ReplayBuffer, Spec  # noqa: E402
 from shmbuf.errors import ClosedError  # noqa: E402
 from shmbuf.limiter import RateLimit  # noqa: E402
 from workers import SamplerPool  # noqa: E402
-from workers.cluster import ReplayCluster, current_node_id, on_node  # noqa: E402
+from workers.cluster import ReplayCluster, current_node_id, netns, on_node  # noqa: E402
 from workers.config import Workers  # noqa: E402
 from workers.demo.ray_nodes import start_local_cluster  # noqa: E402
 
@@ -150,7 +158,8 @@ def rate(take: Any, seconds: float) -> dict[str, Any]:
     return {"batches_per_s": n / took}
 
 
-def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool) -> list[dict]:
+def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool,
+                   spi_seconds: float | None = None) -> list[dict]:
     spec = WORKLOADS[name]
     cap = CAPACITY[name]
     batch_bytes = Spec(spec).row_nbytes * BATCH
@@ -186,13 +195,11 @@ def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool
     idle = lambda s: (time.sleep(s), {})[1]  # noqa: E731 - the learner does nothing
     with ReplayBuffer.create(Spec(spec), cap) as buf:
         add("lone writer", with_writers([(nodes[0], buf.name, "name")], spec, seconds, idle))
-    bufs = [ReplayBuffer.create(Spec(spec), cap) for _ in nodes]
-    try:  # the same CPU contention as the cluster rows, without any sampling
+    # The same CPU contention as the cluster rows, without any sampling: a buffer on each node
+    # (each node's own /dev/shm: a cluster's hosts make them), nobody sampling.
+    with ReplayCluster(spec, capacity_per_node=cap, lanes_per_node=1, nodes=nodes) as idle_cluster:
         add("3 lone writers, 1 per node", with_writers(
-            [(n, b.name, "name") for n, b in zip(nodes, bufs)], spec, seconds, idle))
-    finally:
-        for b in bufs:
-            b.close()
+            [(n, idle_cluster.client(), "cluster") for n in nodes], spec, seconds, idle))
     with ReplayBuffer.create(Spec(spec), cap) as buf:
         benchlib.fill_repeating(buf, rows_for(buf.spec, 1024), BATCH * 4)
         with SamplerPool(buf, BATCH, workers=Workers(1, start_method="forkserver"),
@@ -206,7 +213,7 @@ def bench_workload(name: str, nodes: list[str], seconds: float, torchrl_ok: bool
     add("cluster 3 nodes, no writers", bench_cluster(spec, nodes, cap, seconds, train_ms=0.0,
                                                      writers=False))
     add(f"cluster 3 nodes, 1 writer each, samples_per_insert {SPI[0]:g}",
-        bench_cluster(spec, nodes, cap, seconds, train_ms=0.0, spi=SPI))
+        bench_cluster(spec, nodes, cap, spi_seconds or seconds, train_ms=0.0, spi=SPI))
     ref = next(r for r in out if r["row"] == "cluster 3 nodes, 1 writer each")
     busy_ms = 1.5e3 / max(ref["batches_per_s"], 1e-3)  # 1.5x the free-running batch time
     add(f"cluster 3 nodes, no writers, learner busy {busy_ms:.1f} ms",
@@ -302,9 +309,10 @@ def report(rows: list[dict]) -> list[dict]:
         for row, r in by.items():
             extra = []
             if "window_inserts_per_s" in r:  # the writers' counts also span the rest after
-                each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
-                extra.append(f"inserts/s {r['window_inserts_per_s']:,.0f} (share per node as "
-                             f"{each})")
+                per = np.asarray(r["inserts_per_s_each"], float)
+                each = ", ".join(f"{100 * x / max(per.sum(), 1e-9):.0f}%" for x in per)
+                extra.append(f"inserts/s {r['window_inserts_per_s']:,.0f} (share per node "
+                             f"{each}, the learner's first)")
             elif "inserts_per_s" in r:
                 each = ", ".join(f"{x:,.0f}" for x in r["inserts_per_s_each"])
                 extra.append(f"inserts/s {r['inserts_per_s']:,.0f} ({each})")
@@ -345,6 +353,10 @@ def report(rows: list[dict]) -> list[dict]:
                         "value": held["samples_per_insert"], "target": None})
         targets.append({"workload": wl, "what": "inserts past the limit at rest / tolerance",
                         "value": held["excess_at_rest"] / SPI[1], "target": None})
+        each = np.asarray(held["inserts_per_s_each"])
+        targets.append({"workload": wl, "what": "spi: largest node's inserts / smallest's",
+                        "value": float(each.max() / max(each.min(), 1e-9)), "target": 1.5,
+                        "lower_is_better": True})
         targets.append({"workload": wl, "what": "learner wait when hosts keep up (ms/batch)",
                         "value": next(r for k, r in by.items() if "busy" in k)["wait_ms_per_batch"],
                         "target": 0.1, "lower_is_better": True})
@@ -371,6 +383,22 @@ def report(rows: list[dict]) -> list[dict]:
     return targets
 
 
+def run_isolated(args: argparse.Namespace, argv: list[str]) -> int:
+    """Make 3 isolated nodes and run this benchmark (``argv``) inside the head node."""
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"--isolated: {reason}")
+    if args.json and os.path.abspath(args.json).startswith("/tmp/"):
+        raise SystemExit(f"--json {args.json}: each isolated node has a /tmp of its own; "
+                         f"write it elsewhere (e.g. bench-out/)")
+    here_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join([here_dir, os.path.dirname(here_dir)])}
+    with netns.IsolatedNodes(3, shm_size="3g", num_cpus=1, object_store_memory=256 << 20,
+                             env=env) as nodes:
+        cmd = nodes.learner_command([sys.executable, os.path.abspath(__file__), *argv])
+        return subprocess.run(cmd, env=nodes.learner_env()).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 s per row (default 5 s)")
@@ -378,8 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="atari,mujoco")
     p.add_argument("--no-torchrl", action="store_true", help="skip TorchRL's rows")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--spi-seconds", type=float, default=None,
+                   help="window of the samples_per_insert row (default --seconds)")
     p.add_argument("--check", action="store_true", help="exit 1 if a gated target is missed")
+    p.add_argument("--isolated", action="store_true",
+                   help="nodes in network namespaces with a /dev/shm each (root)")
     args = p.parse_args(argv)
+    if args.isolated and not netns.inside():
+        return run_isolated(args, list(sys.argv[1:] if argv is None else argv))
     seconds = args.seconds or (2.0 if args.quick else 5.0)
     torchrl_ok = False
     if not args.no_torchrl:
@@ -395,18 +429,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [here_dir, os.path.dirname(here_dir), os.environ.get("PYTHONPATH", "")])
     t0 = time.monotonic()
-    local = start_local_cluster(3)
+    local = None
+    if args.isolated:
+        netns.connect(runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})
+    else:
+        local = start_local_cluster(3)
     try:
         here = current_node_id()
         nodes = [here] + [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here]
-        print(f"3 local Ray nodes up in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        print(f"3 {'isolated' if args.isolated else 'local'} Ray nodes up in "
+              f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
         rows = []
         for wl in args.workloads.split(","):
-            rows += bench_workload(wl, nodes, seconds, torchrl_ok)
+            rows += bench_workload(wl, nodes, seconds, torchrl_ok, args.spi_seconds)
     finally:
         ray.shutdown()
-        local.shutdown()
-    print(benchlib.machine_line(info) + f"; ray {ray.__version__}")
+        if local is not None:
+            local.shutdown()
+    where = "3 isolated nodes (network namespace, /dev/shm each)" if args.isolated else \
+        "3 local nodes (one /dev/shm)"
+    print(benchlib.machine_line(info) + f"; ray {ray.__version__}; {where}")
     targets = report(rows)
     runtime, others = clock.stop()
     print(benchlib.runtime_line(runtime, others))

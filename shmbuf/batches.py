@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .reader import PlanReader
     from .storage import BufferStorage
 
-ANCHOR_CHUNK = 1 << 16  # plan starts ``anchors`` judges at once (bounds its memory)
+ANCHOR_CELLS = 1 << 20  # plan starts x probe rows ``anchors`` judges at once (bounds memory)
 RECYCLE_MIN_BYTES = 64 * 1024  # sample() recycles output arrays at least this large ...
 RECYCLE_KEEP = 4  # ... keeping up to this many per (field, batch size)
 MAX_RETRIES = 64  # redraw rounds for rows that fail their seqlock check before SamplingError
@@ -156,10 +156,10 @@ class BatchReader:
             reader = self._reader(plan)
             if among is None:
                 among = every_index(reader.anchor_windows(self._storage.windows()))
-            keep = np.concatenate([np.zeros(0, bool)] + [  # a probe is [chunk, plan rows] big
-                reader.can_read_at(among.lanes[at : at + ANCHOR_CHUNK],
-                                   among.indices[at : at + ANCHOR_CHUNK])
-                for at in range(0, among.lanes.size, ANCHOR_CHUNK)])
+            chunk = max(1, ANCHOR_CELLS // reader.offsets.size)  # a probe is [chunk, rows]
+            keep = np.concatenate([np.zeros(0, bool)] + [
+                reader.can_read_at(among.lanes[at : at + chunk], among.indices[at : at + chunk])
+                for at in range(0, among.lanes.size, chunk)])
             return Draw(among.lanes[keep], among.indices[keep])
         win = self._storage.windows()
         if among is None:

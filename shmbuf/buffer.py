@@ -78,7 +78,8 @@ class ReplayBuffer:
     def create(cls, spec: Spec | Mapping[str, Any], capacity: int, lanes: int = 1,
                name: str | None = None, *, next_obs: str = "stored",
                episode_spec: Spec | Mapping[str, Any] | None = None,
-               episode_capacity: int | None = None) -> ReplayBuffer:
+               episode_capacity: int | None = None,
+               actor_priorities: bool = False) -> ReplayBuffer:
         """Create a buffer in a new segment; this process owns it.
 
         Args:
@@ -95,13 +96,16 @@ class ReplayBuffer:
                 stores, readable by episode id.
             episode_capacity: episode records kept per lane (default ``capacity // 8``, at
                 least 64): older records are overwritten.
+            actor_priorities: keep a priority per row that writers give with it
+                (``extend(rows, priorities=ps)``, ``add_prioritized(p, **fields)``; Ape-X), which
+                a prioritized pool enters in place of the maximum priority. 16 bytes per row.
 
         Raises:
             CapacityError: /dev/shm has too little room (the message says how to give it more).
             SegmentExistsError: ``name`` is taken.
         """
         return cls(BufferStorage.create(spec, capacity, lanes, name, next_obs, episode_spec,
-                                        episode_capacity))
+                                        episode_capacity, actor_priorities))
 
     @classmethod
     def attach(cls, name: str, timeout: float = 5.0) -> ReplayBuffer:
@@ -129,6 +133,11 @@ class ReplayBuffer:
     @property
     def lanes(self) -> int:
         return self._layout.lanes
+
+    @property
+    def actor_priorities(self) -> bool:
+        """Whether writers may give a priority with each row (``create(actor_priorities=)``)."""
+        return bool(self._layout.priority_columns)
 
     @property
     def is_owner(self) -> bool:
@@ -259,8 +268,9 @@ class ReplayBuffer:
             rng: a ``numpy.random.Generator`` (advanced in place), a seed, or None.
             fields: a subset of fields to read (all by default).
             **plan: episode-aware sampling, as ``shmbuf.sampling.Plan`` takes it:
-                ``sequence_length``, ``cross_episodes``, ``frame_stack``, ``frame_lookahead``,
-                ``stack_fields``, ``n_step``, ``gamma`` (and the field names they use).
+                ``sequence_length``, ``stride``, ``cross_episodes``, ``frame_stack``,
+                ``frame_lookahead``, ``stack_fields``, ``n_step``, ``gamma`` (and the field
+                names they use).
 
         Returns:
             field name -> array of shape ``[batch_size, *shape]`` (``[batch_size, T, ...]`` for

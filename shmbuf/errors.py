@@ -51,8 +51,9 @@ class StaleIndexError(ShmbufError, IndexError):
 
 
 class InvalidPriorityError(ShmbufError, ValueError):
-    """A priority was NaN, infinite, negative or so large that a sum of the tree could overflow;
-    nothing was updated."""
+    """A priority was NaN, infinite, negative or so large that a sum of the tree could overflow
+    (``update_priorities``: nothing was updated), or a writer was given priorities that are not
+    one finite number >= 0 per row (``extend(rows, priorities=)``: nothing was written)."""
 
 
 class CheckpointError(ShmbufError, ValueError):

@@ -27,6 +27,13 @@ A replay buffer's body, each region 64-byte aligned:
 - ``_meta`` column: one u64 per slot, ``episode << 32 | flags | step_in_episode`` (``FLAG_FINAL``:
   the row holds an episode's final observation, not a transition; derived-next_obs buffers only).
 - one column per field, ``[lanes * capacity, *shape]``, contiguous.
+- actor priorities (only in buffers created with ``actor_priorities=True``, whose layout JSON
+  says ``"actor_priorities": true``; a document without the key has none, so older segments
+  attach unchanged): ``_priority``, one f64 per slot, the priority a writer gave with the row,
+  and ``_priority_row``, one i64 per slot, ``i + 1`` where row i was given that priority (0:
+  never). Both are stored between the row's odd and even stamps, so they are published by the
+  row's ``committed``; a row written without one leaves the slot's ``_priority_row`` naming an
+  older row, and so has none (``PRIORITY_COLUMNS``, ``priority_row_tag``).
 - the episode table: per lane a ring of ``episode_capacity`` records, record e of lane k at
   ``k*E + e % E``, as columns ``_ep_stamp`` (2e+1 while written, 2e+2 once held), ``_ep_start``
   (logical index of the episode's first step), ``_ep_length`` (its transitions), ``_ep_flags``
@@ -138,6 +145,9 @@ FLAG_FINAL = 1 << 31  # _meta flag: the row is an episode's final observation, n
 STEP_MASK = FLAG_FINAL - 1
 EPISODE_TRUNCATED = 1  # _ep_flags bit: the episode was cut short (time limit), not terminated
 EPISODE_COLUMNS = ("_ep_stamp", "_ep_start", "_ep_length", "_ep_flags")
+# Actor priorities (``actor_priorities=True`` buffers): the priority given with each slot's row
+# and the tag saying which row that was (``priority_row_tag``: 0 = none).
+PRIORITY_COLUMNS = (("_priority", np.dtype("<f8")), ("_priority_row", np.dtype("<i8")))
 
 
 def kind_name(kind: int) -> str:
@@ -194,6 +204,7 @@ class BufferLayout:
     total_size: int
     episode_capacity: int = 0
     episode_columns: tuple[Column, ...] = ()
+    priority_columns: tuple[Column, ...] = ()  # ``PRIORITY_COLUMNS``, or none
 
     @property
     def slots(self) -> int:
@@ -224,8 +235,10 @@ def buffer_layout(
     json_len: int,
     episode_fields: Sequence[tuple[str, tuple[int, ...], np.dtype]] = (),
     episode_capacity: int = 0,
+    actor_priorities: bool = False,
 ) -> BufferLayout:
-    """Compute the layout of a replay buffer; pure, so it is the same in every process."""
+    """Compute the layout of a replay buffer; pure, so it is the same in every process.
+    ``actor_priorities``: with the ``PRIORITY_COLUMNS`` after the fields' columns."""
     if capacity < 1 or lanes < 1:
         raise ValueError(f"capacity and lanes must be >= 1, got {capacity}, {lanes}")
     slots = capacity * lanes
@@ -240,6 +253,11 @@ def buffer_layout(
     for name, shape, dtype in fields:
         col = Column(name, offset, (slots, *shape), np.dtype(dtype))
         columns.append(col)
+        offset = align(offset + col.nbytes)
+    priority_columns = []
+    for name, dtype in PRIORITY_COLUMNS if actor_priorities else ():
+        col = Column(name, offset, (slots,), dtype)
+        priority_columns.append(col)
         offset = align(offset + col.nbytes)
     episode_columns = []
     if episode_capacity > 0:
@@ -262,6 +280,7 @@ def buffer_layout(
         total_size=total,
         episode_capacity=episode_capacity,
         episode_columns=tuple(episode_columns),
+        priority_columns=tuple(priority_columns),
     )
 
 
@@ -401,6 +420,12 @@ def stamp_writing(index: int) -> int:
 
 def stamp_held(index: int) -> int:
     return 2 * index + 2
+
+
+def priority_row_tag(index: Any) -> Any:
+    """What ``_priority_row`` holds for row ``index`` given a priority: ``index + 1`` (0, the
+    zeroed segment's value, names no row)."""
+    return index + 1
 
 
 def pack_meta(episode: int, step: int, final: bool = False) -> int:

@@ -8,8 +8,9 @@ page: ``sums [lanes, W]``, ``mins [lanes, W]`` (f8), ``gen [lanes * capacity]`` 
 
 Concurrency: the process that creates the table (the learner) is the only writer of every word:
 it enters new rows at the running maximum priority (``sync``: per lane one or two contiguous
-runs, set with slices, so its cost is bounded by the capacity whatever the write rate), applies
-``update`` and ``retire``. Sampler workers ``attach`` and only read: they descend the trees
+runs, set with slices, so its cost is bounded by the capacity whatever the write rate), or at
+the priority their writer gave with them (actor priorities, below), applies ``update`` and
+``retire``. Sampler workers ``attach`` and only read: they descend the trees
 without locks; a leaf changed under a reader (a zero leaf reached) is redrawn, and every row
 delivered has its stamp checked as for any read, so its data is whole. Writers (actors) never
 touch the table: a dead actor or worker cannot leave it inconsistent, and nobody waits.
@@ -24,6 +25,15 @@ first); updates for rows overwritten since they were delivered are dropped (gene
 Only a slot being written at that moment is redrawn. A buffer that stores FINAL rows (derived
 ``next_obs``: episode-end observations, entered at 0, never transitions) keeps ``draw``'s
 redraws, since a slot's occupant could be one.
+
+Actor priorities (Ape-X; a buffer created with ``actor_priorities=True``): a writer may give a
+priority with each row (``extend(rows, priorities=ps)``), stored in the row's slot under its
+stamps. ``sync`` reads them for the rows it enters, checking the stamps around the copy and the
+slot's row tag (``layout.priority_row_tag``), and enters those rows at ``(p + eps) ** alpha`` as
+``update`` would (raising the maximum priority likewise); a priority above ``max_allowed`` is
+clipped to it and counted (``actor_priorities_clipped``). Rows without one, or whose slot was
+rewritten before the sync could read it, enter at the maximum. The writers still never touch the
+table: the learner stays its one writer.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from .errors import (
 from .sampling import Draw, Windows, sumtree
 from .scan import scan
 from .segment import Segment
+from .slots import checked_gather
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -138,7 +149,9 @@ class PriorityTable:
         self._max = np.frombuffer(memory, "<f8", 1, offsets.learner + 16 * lanes)
         self.usable = np.frombuffer(memory, np.bool_, lanes * self.capacity if windows else 0,
                                     offsets.usable)
-        self.updates_dropped = 0  # (this learner's own count)
+        self.updates_dropped = 0  # (this learner's own counts)
+        self.actor_priorities_entered = 0  # rows entered at the priority their writer gave
+        self.actor_priorities_clipped = 0  # of them, above ``max_allowed``: entered at it
 
     @property
     def max_priority(self) -> float:
@@ -215,8 +228,9 @@ class PriorityTable:
 
     # -- learner side: the only writer -------------------------------------------------------------
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
-        """Enter rows committed since the last sync at the maximum priority (``initial`` if
-        given, e.g. 1.0 for uniform tables); FINAL rows (not transitions) at zero."""
+        """Enter rows committed since the last sync at the priority their writer gave with
+        them, or else at the maximum priority (``initial`` if given, e.g. 1.0 for uniform
+        tables, for every row); FINAL rows (not transitions) at zero."""
         committed = buf.committed()
         assert isinstance(committed, np.ndarray)  # no lane given: one count per lane
         if not (committed > self.synced).any():
@@ -237,6 +251,8 @@ class PriorityTable:
                 # generation first: a reader that sees it finds the new row
                 self.gen[run] = np.arange(start, end, dtype=np.int64)
                 values = np.full(end - start, value)
+                if initial is None:
+                    self._enter_actor_priorities(values, buf, lane, start, end)
                 if self.final_rows:
                     values[(meta[run] & layout.FLAG_FINAL) != 0] = 0.0
                 sumtree.fill(self.sums, self.mins, lane, slot, values, top=False)
@@ -244,6 +260,57 @@ class PriorityTable:
         sumtree.fix_top(self.sums, self.mins)  # once for every run
         np.maximum(self.synced, committed, out=self.synced)  # (the lanes with new rows)
         return entered
+
+    def actor_priorities(self, buf: ReplayBuffer, lane: int, first: int, stop: int
+                         ) -> np.ndarray | None:
+        """The priorities writers gave with rows ``first .. stop - 1`` of ``lane`` (NaN where
+        a row has none, or its slot was being rewritten while they were read: its stamps said
+        so); None where the buffer keeps no actor priorities. Read under the rows' stamps
+        (``slots.checked_gather``), so a priority is never one of a row that was not published,
+        nor of another row of the slot (its row tag)."""
+        storage = buf.storage
+        if storage.priority is None or storage.priority_row is None:
+            return None
+        index = np.arange(first, stop, dtype=np.int64)
+        slot = lane * self.capacity + index % self.capacity
+        got = {"p": np.empty(index.size, np.float64), "row": np.empty(index.size, np.int64)}
+        whole = checked_gather(storage.stamps, slot, index,
+                               {"p": storage.priority, "row": storage.priority_row}, got,
+                               storage.meta)
+        whole &= got["row"] == layout.priority_row_tag(index)
+        return np.where(whole, got["p"], np.nan)
+
+    def actor_values(self, priorities: np.ndarray) -> np.ndarray:
+        """The stored values of actor ``priorities`` (NaN stays NaN: none given), each
+        clipped to ``max_allowed`` (counted in ``actor_priorities_clipped``); the maximum
+        priority rises to the largest, as for ``update``."""
+        given = ~np.isnan(priorities)
+        n = int(np.count_nonzero(given))
+        if not n:
+            return priorities
+        high = float(priorities[given].max())
+        if high > self.max_allowed:
+            over = priorities > self.max_allowed  # (NaN compares false)
+            self.actor_priorities_clipped += int(np.count_nonzero(over))
+            priorities = np.where(over, self.max_allowed, priorities)
+            high = self.max_allowed
+        self.actor_priorities_entered += n
+        self.max_priority = max(self.max_priority, high)
+        return self._value(priorities)  # type: ignore[no-any-return]
+
+    def _enter_actor_priorities(self, values: np.ndarray, buf: ReplayBuffer, lane: int,
+                                first: int, stop: int, usable: np.ndarray | None = None
+                                ) -> None:
+        """Where rows ``first .. stop - 1`` of ``lane`` (``usable`` ones, if given) carry an
+        actor priority, put its stored value in ``values`` (learner side, in ``sync``)."""
+        priorities = self.actor_priorities(buf, lane, first, stop)
+        if priorities is None:
+            return
+        if usable is not None:
+            priorities[~usable] = np.nan
+        entered = self.actor_values(priorities)
+        given = ~np.isnan(entered)
+        values[given] = entered[given]
 
     def sync_before_update(self, buf: ReplayBuffer, lanes: Any, indices: Any
                            ) -> np.ndarray | None:

@@ -29,10 +29,12 @@ from .sampling.framestack import stack_mask, stack_offsets
 from .sampling.nstep import nstep_discount, nstep_extent, nstep_return
 from .sampling.plan import DISCOUNT, MASK, STEPS, Compiled, Plan
 from .sampling.sequence import sequence_masks, strict_tail
-from .slots import held_stamps, load_stamps, overwritten_since, reload_stamps
+from .slots import holds, load_stamps, overwritten_since, reload_stamps
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
+
+STRIDE_DRAWS_MAX = 1 << 16  # positions a strided uniform round draws at most (then filters)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class _Selection:
     nstep: _NStepRead | None = None  # n-step plans only
     probs: np.ndarray | None = None  # [n] draw probabilities (prioritized anchors only)
     # fill's per-batch slot matrices (by offsets) and padding positions (by mask name)
-    slot_cache: dict[tuple[bytes, bool], np.ndarray] = field(default_factory=dict)
+    slot_cache: dict[tuple[tuple[int, ...], bytes, bool], np.ndarray] = field(default_factory=dict)
     pad_cache: dict[str, np.ndarray | None] = field(default_factory=dict)
 
     def take(self, keep: np.ndarray) -> _Selection:
@@ -103,8 +105,10 @@ class PlanReader:
         self.sequence_length = plan.sequence_length
         self.n_step = plan.n_step
         self.needs_next = compiled.want_next_obs and compiled.derived_next_obs
-        if self.sequence_length > 1:
-            p_lo, p_hi = 0, self.sequence_length - 1 + int(self.needs_next)
+        self.stride = plan.stride
+        if self.sequence_length > 1:  # (and the look-back frames of its first step's stack)
+            p_lo = -(plan.frame_stack - 1) if plan.stacks else 0
+            p_hi = self.sequence_length - 1 + int(self.needs_next)
         else:
             p_lo = -(plan.frame_stack - 1) if plan.stacks else 0
             p_hi = max(plan.frame_lookahead, self.n_step - 1 + int(self.needs_next))
@@ -121,6 +125,12 @@ class PlanReader:
         if (self.stack_offsets is not None and compiled.want_next_obs
                 and plan.obs_field in plan.stack_fields):
             self.next_stack_offsets = self.stack_offsets[self.stack_offsets <= 0][1:]
+        # Sequences with stacks: the frames of step t's stack are offsets t - (k-1) .. t
+        # ([T, k]) from the window's start; its next_obs stack's first k-1 frames likewise.
+        self.window_stack_offsets: np.ndarray | None = None
+        if self.sequence_length > 1 and self.stack_offsets is not None:
+            self.window_stack_offsets = (np.arange(self.sequence_length, dtype=np.int64)[:, None]
+                                         + self.stack_offsets[None, :])
         self._sequence_offsets = [np.arange(self.sequence_length) + s for s in (0, 1)]
         # fields read at the transition's last step rather than at the anchor (n-step)
         self.end_fields: tuple[str, ...] = ()
@@ -149,7 +159,7 @@ class PlanReader:
             slots += (draw.lanes * capacity)[:, None]
         before = load_stamps(storage.stamps, slots)  # stamps first ...
         meta = storage.meta[slots]  # ... then what they guard
-        held = in_window & (before == held_stamps(rows))
+        held = in_window & holds(before, rows)  # any rewrite version: _stable compares
         episode = meta >> layout.STEP_BITS
         final = (meta & layout.FLAG_FINAL) != 0
         j0 = self.anchor_column
@@ -166,9 +176,14 @@ class PlanReader:
             if self.needs_next:
                 valid &= same[:, j0 + 1 : j0 + 1 + length]
             window_ok, masks[MASK] = sequence_masks(valid, plan.cross_episodes)
+            usable &= window_ok
+            if self.stride > 1:  # windows start at steps 0, s, 2s... of their episode
+                usable &= step0 % self.stride == 0
+            if self.window_stack_offsets is not None:
+                usable &= self._judge_window_stacks(step0, transition, masks)
             sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end,
                              probs=draw.probs)
-            return sel, usable & window_ok
+            return sel, usable
         nstep = None
         if self.n_step > 1:
             columns = storage.columns
@@ -205,6 +220,25 @@ class PlanReader:
         sel = _Selection(draw.lanes, anchors, slots, held, before, masks, end, nstep, draw.probs)
         return sel, usable
 
+    def _judge_window_stacks(self, step0: np.ndarray, transition: np.ndarray,
+                             masks: dict[str, np.ndarray]) -> np.ndarray:
+        """Stack masks ``[n, T, k]`` of a sequence plan's windows into ``masks``; bool [n]:
+        every stack the window's ``mask`` keeps can be rebuilt (``stack_mask`` per step)."""
+        plan, offsets = self.compiled.plan, self.window_stack_offsets
+        assert offsets is not None and self.stack_offsets is not None
+        n, (length, k) = step0.size, offsets.shape
+        kept = masks[MASK]  # [n, T]: the steps of the window's first episode
+        steps = step0[:, None] + np.arange(length)  # each step's step in that episode
+        frames = transition[:, self.anchor_column + offsets]  # [n, T, k]
+        ok, valid = stack_mask(steps.reshape(-1), self.stack_offsets, frames.reshape(-1, k))
+        valid = valid.reshape(n, length, k) & kept[:, :, None]  # zero at steps mask leaves out
+        for f in plan.stack_fields:
+            masks[f"{f}_mask"] = valid
+        if self.next_stack_offsets is not None:
+            masks[f"{plan.next_obs_field}_mask"] = np.concatenate(
+                [valid[:, :, 1:], kept[:, :, None]], axis=2)
+        return (ok.reshape(n, length) | ~kept).all(axis=1)
+
     def anchor_windows(self, windows: Windows) -> Windows:
         """Each lane's window less the ``tail_rows`` a strict window must leave after its start."""
         return Windows(windows.lo, np.maximum(windows.hi - self.tail_rows, windows.lo))
@@ -234,12 +268,20 @@ class PlanReader:
             if sampler is not None:  # (its own rejects are rare: no extra draws)
                 draw = sampler(self.anchor_windows(windows), want, rng)
                 pmin = min(pmin, draw.pmin)
-            elif self.storage.lanes == 1 and hi > lo:
-                positions = rng.integers(0, hi - lo, size=want + want // 4 + 4, dtype=np.int64)
-                positions += lo
-                draw = Draw(np.zeros(positions.size, np.int64), positions)
             else:
-                draw = draw_uniform(self.anchor_windows(windows), want + want // 4 + 4, rng)
+                # (with a stride, one position in ``stride`` is a start: draw that many more
+                # and keep those whose step says so before probing them)
+                size = want + want // 4 + 4
+                if self.stride > 1:
+                    size = min(size * self.stride, max(size, STRIDE_DRAWS_MAX))
+                if self.storage.lanes == 1 and hi > lo:
+                    positions = rng.integers(0, hi - lo, size=size, dtype=np.int64)
+                    positions += lo
+                    draw = Draw(np.zeros(positions.size, np.int64), positions)
+                else:
+                    draw = draw_uniform(self.anchor_windows(windows), size, rng)
+                if self.stride > 1:
+                    draw = self._on_stride(draw)
             sel, usable = self._judge(draw, windows)
             sel = sel.take(np.flatnonzero(usable)[:want])  # the first usable anchors
             if len(sel.anchors):
@@ -253,12 +295,25 @@ class PlanReader:
             f"{_shortfall(self.compiled.plan, self.sequence_length, self.needs_next)}"
         )
 
+    def _on_stride(self, draw: Draw) -> Draw:
+        """The positions of ``draw`` whose step in their episode is a multiple of the stride.
+
+        A pre-filter on ``_meta`` words loaded without their stamps: ``_judge`` checks each
+        start again under them, so a row being rewritten only costs a draw, never a wrong one.
+        """
+        storage = self.storage
+        slots = draw.indices % storage.capacity
+        if storage.lanes > 1:
+            slots += draw.lanes * storage.capacity
+        keep = np.flatnonzero((storage.meta[slots] & layout.STEP_MASK) % self.stride == 0)
+        return Draw(draw.lanes[keep], draw.indices[keep])
+
     # -- gathering ---------------------------------------------------------------------------------
     def _rows_at(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None = None
                  ) -> np.ndarray:
-        """Probe columns for offsets (per anchor if 2-D) -> slots [n, len(offsets)], computed
-        once per batch (``sel.slot_cache``)."""
-        key = (offsets.tobytes(), base is not None)
+        """Probe columns for offsets (per anchor if ``base`` is given) -> slots [n,
+        *offsets.shape], computed once per batch (``sel.slot_cache``)."""
+        key = (offsets.shape, offsets.tobytes(), base is not None)
         got = sel.slot_cache.get(key)
         if got is None:
             got = sel.slot_cache[key] = self._rows_at_uncached(sel, offsets, base)
@@ -267,6 +322,8 @@ class PlanReader:
     def _rows_at_uncached(self, sel: _Selection, offsets: np.ndarray, base: np.ndarray | None
                           ) -> np.ndarray:
         j0 = self.anchor_column
+        if base is None and offsets.ndim > 1:  # (a window's stacks: [T, k])
+            return sel.slots[:, j0 + offsets]
         if base is None and offsets.size > 1 and offsets[-1] - offsets[0] == offsets.size - 1:
             return np.ascontiguousarray(sel.slots[:, j0 + offsets[0] : j0 + offsets[-1] + 1])
         columns = j0 + (offsets if base is None else base[:, None] + offsets[None, :])
@@ -304,6 +361,12 @@ class PlanReader:
             dst = out[name]
             if name == MASK or name.endswith("_mask"):
                 dst[...] = sel.masks[name]
+            elif self.window_stack_offsets is not None and name in plan.stack_fields:
+                slots = self._rows_at(sel, self.window_stack_offsets)
+                self._gather(columns[name], slots, dst, self._pad(sel, f"{name}_mask"))
+            elif (self.window_stack_offsets is not None and name == next_obs
+                  and self.next_stack_offsets is not None):
+                self._fill_window_next(sel, dst)
             elif self.sequence_length > 1:
                 derived = name == next_obs and compiled.derived_next_obs
                 src, shift = (obs, 1) if derived else (name, 0)
@@ -347,6 +410,24 @@ class PlanReader:
                      _pad_of(mask[:, :-1]))
         dst[:, :-1] = frames
         self._gather(last_src, last_slots, dst[:, -1:], None)
+
+    def _fill_window_next(self, sel: _Selection, dst: np.ndarray) -> None:
+        """Stacked next_obs ``[n, T, k, ...]`` of a sequence plan: step t's obs stack one step
+        on (frames t-(k-2) .. t, then the step's next observation)."""
+        compiled, columns = self.compiled, self.storage.columns
+        plan = compiled.plan
+        assert self.window_stack_offsets is not None
+        mask = sel.masks[f"{plan.next_obs_field}_mask"]
+        frames = np.empty((*mask.shape[:2], mask.shape[2] - 1, *dst.shape[3:]), dst.dtype)
+        self._gather(columns[plan.obs_field], self._rows_at(sel, self.window_stack_offsets[:, 1:]),
+                     frames, _pad_of(mask[:, :, :-1]))
+        dst[:, :, :-1] = frames
+        shift = 1 if compiled.derived_next_obs else 0
+        last_src = columns[plan.obs_field if shift else plan.next_obs_field]
+        newest = np.empty((*mask.shape[:2], *dst.shape[3:]), dst.dtype)
+        self._gather(last_src, self._rows_at(sel, self._sequence_offsets[shift]), newest,
+                     self._pad(sel, MASK))
+        dst[:, :, -1] = newest
 
     def _end(self, sel: _Selection) -> np.ndarray | None:
         return sel.end if self.n_step > 1 else None
@@ -396,6 +477,10 @@ class PlanReader:
 
 def _shortfall(plan: Plan, sequence_length: int, needs_next: bool) -> str:
     """Why draws found too few usable anchors, and the fix."""
+    if plan.stride > 1 and not plan.cross_episodes:
+        return (f"few windows of {sequence_length} steps starting at a multiple of stride "
+                f"{plan.stride} lie inside one episode (episodes shorter than sequence_length?). "
+                f"Fix: cross_episodes=True, or a shorter sequence")
     if sequence_length > 1 and not plan.cross_episodes:
         return (f"few windows of {sequence_length} steps lie inside one episode (episodes "
                 f"shorter than sequence_length?). Fix: cross_episodes=True, or a shorter sequence")

@@ -3,7 +3,12 @@ the checked reads that trust a row only if its stamp held it before and after th
 fences, and the CPU check that says where the fences may be no-ops.
 
 Words, as ``layout`` encodes them: a slot's stamp is 0 (never written), ``2i+1`` (index i being
-written) or ``2i+2`` (holds index i); a lane's ``reserved`` is its writer's claim (indices
+written) or ``2i+2`` (holds index i), plus, in bits ``VERSION_SHIFT`` up, the slot's *rewrite
+version*: 0 for every ring write, counted up by each in-place rewrite of the index it holds
+(``mark_rewriting``), so a rewrite never brings a slot back to a stamp a reader loaded before it
+(the ABA a seqlock must not have). Readers compare the stamp's index bits with ``2i+2`` and the
+whole stamp before and after the copy (``holds``). Row indices stay below ``MAX_ROW_INDEX``; a
+lane's ``reserved`` is its writer's claim (indices
 ``[committed, reserved)`` are being written) and ``committed`` the count of published indices.
 Episode records use the same stamps with the episode id for i. Functions here take the word
 views they store to as arguments: a ``memoryview`` cast to ``"q"`` indexed by word (the writer's
@@ -42,6 +47,12 @@ Segments = Sequence[tuple[int, int, int]]  # ring segments (a, b, off) from chec
 T = TypeVar("T")
 
 ALLOW_ARCH_ENV = "SHMBUF_UNSAFE_ALLOW_ARCH"
+
+# A row stamp's layout (int64): bits 0-47 hold 2i+1 / 2i+2, bits 48-62 the rewrite version.
+VERSION_SHIFT = 48
+INDEX_BITS = (1 << VERSION_SHIFT) - 1  # the stamp's 2i+1 / 2i+2
+VERSION_MASK = (1 << (63 - VERSION_SHIFT)) - 1  # 15 bits: wraps after 32768 rewrites of a slot
+MAX_ROW_INDEX = (1 << (VERSION_SHIFT - 1)) - 2  # the largest row index whose 2i+2 fits the bits
 _TSO_MACHINES = frozenset({"x86_64", "amd64"})
 
 
@@ -162,6 +173,46 @@ def mark_held(stamps: Words, at: Any, index: Any) -> None:
     """Fence after the payload, then stamp slot(s) ``at`` even (``2*index+2``: holds index)."""
     store_fence()
     stamps[at] = 2 * index + 2
+
+
+def mark_rewriting(stamps: np.ndarray, at: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Before rewriting slots ``at`` (distinct) in place, each holding logical index ``index``:
+    stamp them odd (``2i+1``) at their next rewrite version, then fence; return the stamps
+    ``mark_rewritten`` publishes once the payload is stored.
+
+    The version (bits ``VERSION_SHIFT`` up) counts the slot's rewrites, so the held stamp
+    differs from every stamp a reader can have loaded before the rewrite began: a copy that
+    spans the rewrite fails ``holds`` (its two loads differ) and is retried or redrawn. It
+    wraps after 32768 rewrites of one slot: a reader would have to stay inside one copy of
+    one row, its process stopped, through exactly a multiple of that many rewrites of it.
+    Only the lane's writer lease holder rewrites, and only indices inside the lane's window:
+    ``reserved`` and ``committed`` do not move.
+    """
+    version = (stamps[at] >> VERSION_SHIFT) + 1
+    version &= VERSION_MASK
+    held = version << VERSION_SHIFT
+    held |= 2 * index + 2
+    stamps[at] = held - 1
+    store_fence()
+    return held
+
+
+def mark_rewritten(stamps: np.ndarray, at: np.ndarray, held: np.ndarray) -> None:
+    """Fence after a rewrite's payload, then stamp slots ``at`` ``held`` (from
+    ``mark_rewriting``): they hold their index again, at the new version."""
+    store_fence()
+    stamps[at] = held
+
+
+def rewrite_rows(stamps: np.ndarray, at: np.ndarray, index: np.ndarray,
+                 columns: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+    """The whole protocol of an in-place rewrite of rows ``index`` at slots ``at`` (distinct;
+    ``values[f][j]`` is row j of column ``columns[f]``): versioned odd stamps, the rows, the
+    versioned even stamps. The ``_meta`` words (episode, step) are left as they were."""
+    held = mark_rewriting(stamps, at, index)
+    for column, value in zip(columns, values):
+        column[at] = value
+    mark_rewritten(stamps, at, held)
 
 
 def publish(words: Words, committed_at: Any, committed: Any) -> None:
@@ -318,6 +369,13 @@ def held_stamps(indices: np.ndarray) -> np.ndarray:
     return expected
 
 
+def holds(before: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Where a row stamp loaded before a copy says "holds index i" (``indices``), at any
+    rewrite version (compare it with the stamp loaded after: ``overwritten_since``)."""
+    index_bits = before & INDEX_BITS
+    return index_bits == held_stamps(indices)
+
+
 def held_whole(before: np.ndarray, after: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """Where both loads of a stamp said "holds index i" (``expected`` from ``held_stamps``):
     the rows copied between them are whole."""
@@ -348,8 +406,9 @@ def checked_gather(stamps: np.ndarray, slots: np.ndarray, indices: np.ndarray,
                    columns: dict[str, np.ndarray], out: Any, meta: np.ndarray,
                    meta_out: np.ndarray | None = None) -> np.ndarray:
     """Copy rows ``slots`` of ``columns`` into ``out`` (name -> array) and ``meta[slots]`` into
-    ``meta_out``; return which rows are whole: their stamp said "holds ``indices``" before and
-    after the copy. One flat function: it is on every sample's path.
+    ``meta_out``; return which rows are whole: their stamp said "holds ``indices``" (index
+    bits) before the copy and was the same stamp after it (a rewrite in place changes the
+    version). One flat function: it is on every sample's path.
 
     ``slots`` must be in range (the copies use ``mode="clip"``, which skips the temporary that
     ``mode="raise"`` makes).
@@ -364,8 +423,9 @@ def checked_gather(stamps: np.ndarray, slots: np.ndarray, indices: np.ndarray,
         np.take(meta, slots, out=meta_out, mode="clip")
     load_fence()
     after = stamps.take(slots)
-    ok = before == expected
-    ok &= after == expected
+    ok = after == before
+    before &= INDEX_BITS
+    ok &= before == expected
     return ok
 
 
@@ -375,10 +435,25 @@ def overwritten_since(before: np.ndarray, after: np.ndarray, held: np.ndarray) -
     return held & (after != before)
 
 
-def still_held_run(stamps: np.ndarray, segments: Segments, base: int, first: int, end: int
-                   ) -> np.ndarray:
-    """For indices ``first .. end`` of a lane at slots ``base + segments``, already known held
-    when the copy began (they were in the window): which ones are still held after it."""
+def load_run(stamps: np.ndarray, segments: Segments, base: int) -> np.ndarray:
+    """The stamps of a run of a lane's indices at slots ``base + segments``, loaded before the
+    copy of their rows (pass them to ``still_held_run``)."""
+    before = np.concatenate([stamps[base + a : base + b] for a, b, _ in segments])
+    load_fence()
+    return before
+
+
+def still_held_run(stamps: np.ndarray, segments: Segments, base: int, first: int, end: int,
+                   before: np.ndarray | None = None) -> np.ndarray:
+    """For indices ``first .. end`` of a lane at slots ``base + segments``: which ones held
+    their index all through the copy (their stamp, ``before`` from ``load_run``, the same
+    after it). Without ``before``, only rows never rewritten in place count (version 0): the
+    indices were in the window when the copy began, so a ring write since changed the stamp."""
     load_fence()
     after = np.concatenate([stamps[base + a : base + b] for a, b, _ in segments])
-    return after == np.arange(2 * first + 2, 2 * end + 2, 2, dtype=np.int64)
+    expected = np.arange(2 * first + 2, 2 * end + 2, 2, dtype=np.int64)
+    if before is None:
+        return after == expected
+    ok = after == before
+    ok &= (before & INDEX_BITS) == expected
+    return ok

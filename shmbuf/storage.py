@@ -64,10 +64,14 @@ class BufferStorage:
             self.episode_spec = Spec.from_json(ep_doc) if ep_doc else None
             episode_capacity = int(doc.get("episode_capacity", 0))
             self.derived_next_obs = doc.get("next_obs", "stored") == "derived"
+            actor_priorities = doc.get("actor_priorities", False)  # (older segments: absent)
+            if not isinstance(actor_priorities, bool):
+                raise TypeError(f"actor_priorities is {actor_priorities!r}, not a bool")
             json_len = len(L.encode_layout(doc))
             self.layout = L.buffer_layout(
                 field_tuples(self.spec), capacity, lanes, json_len,
-                field_tuples(self.episode_spec) if self.episode_spec else [], episode_capacity)
+                field_tuples(self.episode_spec) if self.episode_spec else [], episode_capacity,
+                actor_priorities)
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError, MemoryError) as e:
             segment.close()
             raise SegmentFormatError(
@@ -91,7 +95,7 @@ class BufferStorage:
     @classmethod
     def create(cls, spec: Spec | Mapping[str, Any], capacity: int, lanes: int, name: str | None,
                next_obs: str, episode_spec: Spec | Mapping[str, Any] | None,
-               episode_capacity: int | None) -> BufferStorage:
+               episode_capacity: int | None, actor_priorities: bool = False) -> BufferStorage:
         """A new segment (this process owns it); see ``ReplayBuffer.create`` for the checks."""
         spec = spec if isinstance(spec, Spec) else Spec(spec)
         capacity, lanes = positive_int("capacity", capacity), positive_int("lanes", lanes)
@@ -110,15 +114,19 @@ class BufferStorage:
         if episode_capacity is None:
             episode_capacity = max(64, capacity // 8)
         episode_capacity = positive_int("episode_capacity", episode_capacity)
+        if not isinstance(actor_priorities, (bool, np.bool_)):
+            raise TypeError(f"actor_priorities must be True or False, got {actor_priorities!r}")
         doc = {"kind": "buffer", "spec": spec.to_json(), "capacity": capacity, "lanes": lanes,
                "next_obs": next_obs, "episode_capacity": episode_capacity,
                "episode_spec": episode_spec.to_json() if episode_spec else []}
+        if actor_priorities:  # (only then: a buffer without them keeps the older document)
+            doc["actor_priorities"] = True
         fields = field_tuples(spec)
         ep_fields = field_tuples(episode_spec) if episode_spec else []
 
         def size_of(json_len: int) -> int:
             return L.buffer_layout(fields, capacity, lanes, json_len, ep_fields,
-                                   episode_capacity).total_size
+                                   episode_capacity, bool(actor_priorities)).total_size
 
         return cls(Segment.create(name, L.KIND_BUFFER, doc, size_of))
 
@@ -148,6 +156,9 @@ class BufferStorage:
         self.stamps = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.stamps_offset)
         self.meta = np.frombuffer(mm, "<i8", count=lay.slots, offset=lay.meta.offset)
         self.columns = {c.name: _column(mm, c) for c in lay.columns}
+        # Actor priorities (``layout.PRIORITY_COLUMNS``), None where the buffer keeps none.
+        priority: list[np.ndarray | None] = [_column(mm, c) for c in lay.priority_columns]
+        self.priority, self.priority_row = priority or [None, None]
         self.limiter = Limiter(self.segment, mm, lay, words=self.words, committed=self.committed,
                                reserved=self.reserved, consumed=lanes[:, L.LANE_CONSUMED, 0],
                                cleared_below=self.cleared_below)
@@ -163,6 +174,7 @@ class BufferStorage:
         self.cleared_below = None  # type: ignore[assignment]
         self.stamps = self.meta = None  # type: ignore[assignment]
         self.columns = {}
+        self.priority = self.priority_row = None
         self.episodes = None
         if getattr(self, "limiter", None) is not None:
             self.limiter.drop_views()
@@ -289,6 +301,8 @@ class BufferStorage:
                 if on_copied is not None:
                     on_copied(dst.nbytes)
             self.meta[base + a : base + b] = meta[off : off + (b - a)]
+        if self.priority_row is not None:  # restored rows carry no actor priority
+            self.priority_row[base : base + C] = 0
         q[self.word_index(lane, L.LANE_EPISODE)] = episode
         q[self.word_index(lane, L.LANE_EPISODE_START)] = episode_start
         slots.finish_restore(lane_stamps, segments, first, q, reserved_at, end, C)

@@ -4,7 +4,10 @@ A lane's store (``lane_store``) holds the lane's cursor and publishes its rows (
 ``put`` one row, ``put_many`` rows): ``_add_c.LaneStore`` where that extension was built, else
 ``NumpyLaneStore`` (through ``slots``), with the same bytes. ``add_method`` gives a writer class
 its ``add`` for a spec, with a signature that names the fields. ``LanesStore`` puts one row in each
-of several lanes at once.
+of several lanes at once. Rows given with an actor priority (``actor_priorities`` buffers) are
+published by a store made ``with_priorities`` (compiled or NumPy, as the lane's own): the
+priority columns are two more columns of the row, under the same stamps and ``committed``;
+``forget_priorities`` takes back the tags of rows that were claimed but never published.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from . import layout as L
 from . import slots
 from .checks import ring_segments
 from .rowcheck import RowChecker, fast_scalars
+from .spec import Field
 
 if TYPE_CHECKING:
-    from .spec import Field
     from .storage import BufferStorage
 
 stream_rows: Callable[[np.ndarray, int, Any, int], bool] | None
@@ -50,6 +53,8 @@ COMPILED_MAX_FIELDS: int = 0 if _compiled is None else _compiled.MAX_FIELDS
 STREAM_MIN_ROW_BYTES = 4096
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _STEP_MASK = L.STEP_MASK
+# The priority columns as fields of a row (``with_priorities`` stores), after the spec's.
+PRIORITY_FIELDS = tuple(Field(name, (), dtype) for name, dtype in L.PRIORITY_COLUMNS)
 
 
 def large_rows(field: Field) -> bool:
@@ -66,10 +71,11 @@ def streams(field: Field) -> bool:
             and large_rows(field))
 
 
-def compiled_for(checker: RowChecker) -> bool:
+def compiled_for(checker: RowChecker, extra: int = 0) -> bool:
     """Whether writers of ``checker``'s spec get the compiled store and add: where ``_add_c``
-    was built, for up to ``COMPILED_MAX_FIELDS`` fields (pending row included)."""
-    return CompiledStore is not None and len(checker.fields) <= COMPILED_MAX_FIELDS
+    was built, for up to ``COMPILED_MAX_FIELDS`` fields (pending row and ``extra`` columns,
+    e.g. the priority columns, included)."""
+    return CompiledStore is not None and len(checker.fields) + extra <= COMPILED_MAX_FIELDS
 
 
 class LaneStore(Protocol):
@@ -80,8 +86,10 @@ class LaneStore(Protocol):
     store them by the seqlock protocol of ``slots``: ``reserved``, odd stamps, the rows, the
     ``_meta`` words, even stamps, ``committed``. Given a value for the pending field too (a
     derived buffer's ``next_obs``, last), they keep its last row for the episode's FINAL row.
-    (Issue 29's per-row priority would be one more column here, published by the same
-    ``committed``; issue 30's writes at an index are ``put``.)
+    A store made ``with_priorities`` stores two more columns after the fields',
+    ``layout.PRIORITY_COLUMNS``: each call then takes a priority and a row tag
+    (``layout.priority_row_tag``) after the fields' values, before the pending row's.
+    (Issue 30's writes at an index are ``put``.)
     The cursor (``next``, ``step``, ``episode_bits`` and the room ``room_until``/``lim_gen``
     granted by the rate limiter) is the writer's state; the compiled add reads and advances it.
 
@@ -113,20 +121,29 @@ class LaneStore(Protocol):
 
 
 def lane_store(storage: BufferStorage, lane: int, checker: RowChecker,
-               pending: np.ndarray | None) -> LaneStore:
+               pending: np.ndarray | None, with_priorities: bool = False) -> LaneStore:
     """The store of ``lane`` for writers of ``checker``'s fields (the spec's, then ``next_obs``
-    of a derived buffer, kept in ``pending``, not stored): compiled where ``compiled_for``."""
-    if not compiled_for(checker):
-        return NumpyLaneStore(storage, lane, checker, pending)
+    of a derived buffer, kept in ``pending``, not stored): compiled where ``compiled_for``.
+    ``with_priorities``: it also stores the priority columns (``LaneStore``), which the
+    compiled store takes as two more columns."""
+    extra = len(PRIORITY_FIELDS) if with_priorities else 0
+    if not compiled_for(checker, extra):
+        return NumpyLaneStore(storage, lane, checker, pending, with_priorities)
     lay, C = storage.layout, storage.capacity
     columns = [storage.columns[name][lane * C : (lane + 1) * C] for name in storage.spec]
     at = (lay.lane_word(lane, L.LANE_COMMITTED) // 8, lay.lane_word(lane, L.LANE_RESERVED) // 8,
           storage.limiter.generation_index, lay.stamp(lane * C) // 8,
           lay.meta.offset // 8 + lane * C, C, L.STEP_MASK)  # word offsets, capacity, step mask
+    k = len(columns)  # the fields' columns; then the priority columns; then the pending row
+    given = [*checker.fields[:k], *(PRIORITY_FIELDS if with_priorities else ()),
+             *checker.fields[k:]]
+    if with_priorities:
+        columns += [column[lane * C : (lane + 1) * C] for column in priority_columns(storage)]
     dests = [*columns, *([] if pending is None else [pending])]
-    fields = [_compiled_field(f, dest) for f, dest in zip(checker.fields, dests, strict=True)]
+    fields = [_compiled_field(f, dest) for f, dest in zip(given, dests, strict=True)]
     pending_field = fields.pop() if pending is not None else None
-    store: LaneStore = CompiledStore(storage.words, at, checker.names, fields, pending_field)
+    store: LaneStore = CompiledStore(storage.words, at, tuple(f.name for f in given), fields,
+                                     pending_field)
     return store
 
 
@@ -150,7 +167,7 @@ class NumpyLaneStore:
     compiled = False
 
     def __init__(self, storage: BufferStorage, lane: int, checker: RowChecker,
-                 pending: np.ndarray | None) -> None:
+                 pending: np.ndarray | None, with_priorities: bool = False) -> None:
         lay, C = storage.layout, storage.capacity
         self._capacity = C
         self._words = storage.words
@@ -161,12 +178,16 @@ class NumpyLaneStore:
                     self._at_committed, self._at_reserved, C)  # slots.write_row's
         base = lane * C
         self._columns = [storage.columns[name][base : base + C] for name in storage.spec]
+        # put_many's store per field: streamed for large rows (None: NumPy's)
+        self._row_stores = [stream_rows if streams(f) else None
+                            for f in checker.fields[: len(self._columns)]]
+        if with_priorities:  # the priority and its row tag, after the fields' columns
+            self._columns += [column[base : base + C] for column in priority_columns(storage)]
+            self._row_stores += [None, None]
         self._ncolumns = len(self._columns)
         self._slot_stamps = storage.stamps[base : base + C]
         self._slot_meta = storage.meta[base : base + C]
         self._pending = pending
-        # put_many's store per field: streamed for large rows (None: NumPy's)
-        self._row_stores = [stream_rows if streams(f) else None for f in checker.fields]
         self._ramp = self._ramp2 = np.arange(0, dtype=np.int64)
         self._k0 = np.zeros((), np.int64)  # 0-d operand: ufuncs take it faster than an int
         self.next = self.step = self.episode_bits = self.room_until = 0
@@ -236,16 +257,20 @@ class LanesStore:
 
     compiled = False
 
-    def __init__(self, storage: BufferStorage, lanes: np.ndarray) -> None:
+    def __init__(self, storage: BufferStorage, lanes: np.ndarray,
+                 with_priorities: bool = False) -> None:
         self._lanes, self._capacity = lanes, storage.capacity
         self._columns = [storage.columns[name] for name in storage.spec]
+        if with_priorities:  # as NumpyLaneStore's: the priority and its row tag, last
+            self._columns += priority_columns(storage)
         self._slot_stamps, self._slot_meta = storage.stamps, storage.meta
         self._committed_v, self._reserved_v = storage.committed, storage.reserved
 
     def put(self, index: np.ndarray, meta: np.ndarray, values: Sequence[Any],
             lanes: np.ndarray | None = None) -> None:
         """Publish a row at ``index[e]`` of lane ``lanes[e]`` (default: this store's lanes),
-        from ``values`` (one per stored field, ``[len(lanes), *shape]``)."""
+        from ``values`` (one per stored column, ``[len(lanes), *shape]``; values past them are
+        not stored)."""
         lanes = self._lanes if lanes is None else lanes
         slot_ids = lanes * self._capacity + index % self._capacity
         claimed = self._reserved_v[lanes]  # (a dead writer's claim may reach past index + 1)
@@ -261,6 +286,38 @@ class LanesStore:
         self._columns = []
         self._slot_stamps = self._slot_meta = None  # type: ignore[assignment]
         self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+
+
+def priority_columns(storage: BufferStorage) -> list[np.ndarray]:
+    """The buffer's ``_priority`` and ``_priority_row`` columns (every slot), or ValueError
+    where it keeps none (the writers refuse first, naming the fix)."""
+    if storage.priority is None or storage.priority_row is None:
+        raise ValueError(f"buffer {storage.name!r} keeps no actor priorities")
+    return [storage.priority, storage.priority_row]
+
+
+def forget_priorities(storage: BufferStorage, lanes: Any, first: Any, end: Any) -> None:
+    """Take back the priorities given with rows ``first .. end - 1`` of ``lanes`` (ints, or
+    arrays of one row per lane) that their writer claimed but never published: a row that
+    their writer (or the next writer of the lane) then writes again at the same index without
+    a priority must not find one. Only tags that name such a row are cleared, so a slot still
+    holding an older, published row keeps that row's. The caller holds the lanes' leases.
+
+    Concurrency: only slots at or above their lane's ``committed`` are touched (no reader
+    takes them for a published row, and the learner's sync checks the stamps around them).
+    """
+    tags = storage.priority_row
+    if tags is None:
+        return
+    C = storage.capacity
+    lanes, first, end = (np.atleast_1d(np.asarray(a, np.int64)) for a in (lanes, first, end))
+    for lane, lo, hi in zip(lanes.tolist(), first.tolist(), end.tolist()):  # (one per lane)
+        lo = max(lo, hi - C, int(storage.committed[lane]))
+        if hi <= lo:
+            continue
+        index = np.arange(lo, hi, dtype=np.int64)
+        slot = lane * C + index % C
+        tags[slot[tags[slot] == L.priority_row_tag(index)]] = 0
 
 
 # --------------------------------------------------------------------------------------------

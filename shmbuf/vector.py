@@ -20,8 +20,8 @@ from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
 from .spec import Spec
-from .store import LanesStore, add_method, compiled_for
-from .writer import LaneWriter, Writer
+from .store import LanesStore, add_method, compiled_for, forget_priorities
+from .writer import LaneWriter, Writer, checked_priorities
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
@@ -37,6 +37,7 @@ class VectorWriter(LaneWriter):
     Example:
         >>> with buf.writer(num_envs=8) as w:
         ...     w.add(obs=obs, action=actions, reward=rewards)   # each [8, ...]
+        ...     w.add_prioritized(td_errors, obs=obs, action=actions, reward=rewards)  # [8]
         ...     w.end_episode(terminated | truncated, truncated=truncated)
     """
 
@@ -120,10 +121,44 @@ class VectorWriter(LaneWriter):
                 f"add(): fields have {n} rows but this writer has num_envs={self.num_envs}: pass "
                 f"one row per environment"
             )
+        return self._put_rows(arrays, None)
+
+    def add_prioritized(self, priorities: Any, /, **fields: Any) -> np.ndarray:
+        """``add`` with each env's row priority (``[num_envs]`` floats; an
+        ``actor_priorities`` buffer), published with the rows: a prioritized pool enters them
+        at it instead of at its maximum priority (Ape-X). Positional first, so a field may be
+        called ``priority``. NaN, infinite or negative priorities, or not one per env, raise
+        ``InvalidPriorityError`` and nothing is written."""
+        if self._closed_reason is not None:
+            self._raise_closed()
+        n, arrays = self._check_batch(fields)
+        if n != self.num_envs:
+            raise SpecMismatchError(
+                f"add_prioritized(): fields have {n} rows but this writer has num_envs="
+                f"{self.num_envs}: pass one row per environment"
+            )
+        p = checked_priorities(self._storage, priorities, n, "add_prioritized()")
+        return self._put_rows(arrays, p)
+
+    def _put_rows(self, arrays: Sequence[Any], priorities: np.ndarray | None) -> np.ndarray:
+        """Store one checked row per env (with its priority, unless None); their indices."""
+        n = self.num_envs
         self._ensure_room(self._rows, n)
         index = self._next
         meta = (self.episode << L.STEP_BITS) | (self._step & L.STEP_MASK)
-        self._store.put(index, meta, arrays)
+        if priorities is None:
+            self._store.put(index, meta, arrays)
+        else:
+            if self._prioritized_store is None:
+                self._prioritized_store = LanesStore(self._storage, self.lanes,
+                                                     with_priorities=True)
+            k = self._nstored  # (a derived buffer's next_obs follows: not stored)
+            try:
+                self._prioritized_store.put(
+                    index, meta, [*arrays[:k], priorities, L.priority_row_tag(index)])
+            except BaseException:
+                forget_priorities(self._storage, self.lanes, index, index + 1)
+                raise
         self._next = index + 1
         self._step += 1
         self._rows += n
@@ -260,7 +295,26 @@ class OneEnvVectorWriter(VectorWriter):
             name: v[0] for name, v in zip(spec, values)}
         return np.array([self._lane.end_episode(truncated=bool(trunc[0]), **data)], np.int64)
 
+    def add_prioritized(self, priorities: Any, /, **fields: Any) -> np.ndarray:
+        if self._closed_reason is not None:
+            self._raise_closed()
+        arrays: Sequence[Any] | None = self._env_rows.fast_row(fields)
+        if arrays is None:
+            n, arrays = self._check_batch(fields)
+            if n != 1:
+                raise SpecMismatchError(
+                    f"add_prioritized(): fields have {n} rows but this writer has num_envs=1: "
+                    f"pass one row per environment"
+                )
+        p = checked_priorities(self._storage, priorities, 1, "add_prioritized()")
+        lane = self._lane
+        lane.timeout, lane.stop_when = self.timeout, self.stop_when
+        index = _ONE_INDEX.copy()
+        index[0] = lane._append_prioritized(list(map(_first_row, arrays)), p[0])
+        return index
+
     end_episode.__doc__ = VectorWriter.end_episode.__doc__
+    add_prioritized.__doc__ = VectorWriter.add_prioritized.__doc__
 
 
 _one_env_classes: weakref.WeakKeyDictionary[RowChecker, dict[bool, type[VectorWriter]]] = (

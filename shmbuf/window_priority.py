@@ -49,11 +49,12 @@ class WindowPriorityTable(PriorityTable):
     later than a plain table's), at the maximum priority if a batch could be read at it then
     (``PlanReader.can_read_at``: the checks uniform draws pass, so with ``cross_episodes``
     False a window crossing an episode end, or starting at an episode's FINAL row, enters at
-    zero and is never drawn), else at zero. Draws (``draw``, in any process) are unchanged;
-    the plan reader probes each drawn window again under the rows' stamps, so a window is never
-    torn and never holds a row that moved on. ``update`` takes ``batch.indices`` (``[B, T]`` for
-    sequences: the start is column 0) with priorities ``[B]``, or ``[B, T]`` reduced per window
-    by ``reduce_windows`` with ``eta``.
+    zero and is never drawn), else at zero; a usable start whose row a writer gave a priority
+    (actor priorities) enters at that priority instead. Draws (``draw``, in any process) are
+    unchanged; the plan reader probes each drawn window again under the rows' stamps, so a
+    window is never torn and never holds a row that moved on. ``update`` takes
+    ``batch.indices`` (``[B, T]`` for sequences: the start is column 0) with priorities
+    ``[B]``, or ``[B, T]`` reduced per window by ``reduce_windows`` with ``eta``.
 
     Concurrency: as ``PriorityTable``: the learner that creates the table is the only writer;
     its ``sync`` enters new starts at zero (generations first) and then gives the judged ones
@@ -94,7 +95,9 @@ class WindowPriorityTable(PriorityTable):
 
     def sync(self, buf: ReplayBuffer, initial: float | None = None) -> int:
         """Enter new rows as starts at zero, then value every start whose window is written:
-        the maximum priority (``initial`` if given) where a batch can be read at it, else 0."""
+        where a batch can be read at it, the priority its writer gave with the start's row
+        (actor priorities) or else the maximum priority (``initial`` if given, for every
+        start); else 0."""
         before = self.synced.copy()
         entered = super().sync(buf, 0.0)
         for lane in np.flatnonzero(self.synced > before):  # new starts: not judged yet
@@ -113,7 +116,11 @@ class WindowPriorityTable(PriorityTable):
                 starts = np.arange(at, min(at + chunk, int(ready[lane])), dtype=np.int64)
                 usable = self.reader.can_read_at(np.full(starts.size, lane), starts)
                 self.usable[lane * self.capacity + starts % self.capacity] = usable
-                self._fill_starts(int(lane), at, np.where(usable, value, 0.0))
+                values = np.where(usable, value, 0.0)
+                if initial is None:
+                    self._enter_actor_priorities(values, buf, int(lane), at,
+                                                 at + starts.size, usable)
+                self._fill_starts(int(lane), at, values)
         self.judged[lanes] = ready[lanes]
         return entered
 

@@ -2,11 +2,14 @@
 
 ``VectorWriter`` (``vector.py``, one lane per env) is the other writer on the same core. Every
 row a writer publishes goes through a store (``store.py``): its lane's ``LaneStore``, compiled
-where ``_add_c`` was built, or a ``LanesStore`` over several lanes.
+where ``_add_c`` was built, or a ``LanesStore`` over several lanes. Rows given with a priority
+(``extend(rows, priorities=ps)``, ``add_prioritized``) go through a second store of the lane that
+also stores the priority columns (``checked_priorities`` refuses bad priorities first).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -18,10 +21,10 @@ import numpy as np
 from . import layout as L
 from . import slots
 from .checks import timeout_seconds
-from .errors import ClosedError
+from .errors import ClosedError, InvalidPriorityError, SpecMismatchError
 from .lease import Lease
 from .rowcheck import RowChecker
-from .store import add_method, compiled_for, lane_store
+from .store import NumpyLaneStore, add_method, compiled_for, forget_priorities, lane_store
 
 if TYPE_CHECKING:
     from .storage import BufferStorage
@@ -53,6 +56,7 @@ class LaneWriter:
     _room_until: int  # rows below this room position were granted by the rate limiter ...
     _lim_gen: int  # ... under this limiter generation
     _store: Any  # a LaneStore (one lane) or a LanesStore (store.py)
+    _prioritized_store: Any = None  # the same, storing the priority columns too (made on use)
 
     def __init__(self, storage: BufferStorage, lanes: Sequence[int], timeout: float,
                  who: str) -> None:
@@ -79,6 +83,7 @@ class LaneWriter:
         self._fast_row, self._check_row = checker.fast_row, checker.check_row
         self._check_batch = checker.check_batch
         self._derived = storage.derived_next_obs
+        self._nstored = len(storage.spec)  # values of stored fields (then next_obs if derived)
         if self._derived:  # each lane's last next_obs, for its episode's FINAL row
             obs = storage.spec["obs"]
             self._pending = np.zeros((self._width, *obs.shape), obs.dtype)
@@ -174,6 +179,8 @@ class LaneWriter:
         cursor)."""
         if getattr(self, "_store", None) is not None:
             self._store.release()
+        if self._prioritized_store is not None:
+            self._prioritized_store.release()
         self._episode_v = self._episode_start_v = self._heartbeat_v = None  # type: ignore[assignment]
         self._words = None  # type: ignore[assignment]
 
@@ -197,6 +204,61 @@ class LaneWriter:
 os.register_at_fork(after_in_child=LaneWriter._after_fork_in_child)
 
 
+_INF_BITS = int(np.array(np.inf).view(np.uint64))  # 0x7FF0000000000000
+
+
+def checked_priority(storage: BufferStorage, priority: Any, op: str) -> Any:
+    """``checked_priorities`` of one row's priority (a Python float taken as it is)."""
+    if type(priority) is float and storage.priority is not None \
+            and 0 <= priority < math.inf:  # (NaN fails too)
+        return priority
+    return checked_priorities(storage, priority, None, op)
+
+
+def checked_priorities(storage: BufferStorage, priorities: Any, n: int | None, op: str
+                       ) -> np.ndarray:
+    """``priorities`` as float64, one per row (``[n]``; ``n`` None: one number, 0-d), or
+    raise before anything is stored: ``SpecMismatchError`` where the buffer keeps no actor
+    priorities, ``InvalidPriorityError`` for a value that is not a real number, a wrong
+    length, or a priority that is NaN, infinite or negative (named with its position).
+    Values too large for a priority table's sums are fine here: the pool clips them at
+    ``sync`` and counts them (only it knows its alpha)."""
+    if storage.priority is None:
+        raise SpecMismatchError(
+            f"{op}: buffer {storage.name!r} keeps no actor priorities. Fix: create it with "
+            f"ReplayBuffer.create(..., actor_priorities=True), or leave the priorities out "
+            f"(rows then enter a prioritized pool at its maximum priority)")
+    try:
+        values = priorities if type(priorities) is np.ndarray else np.asarray(priorities)
+        if values.dtype != np.float64:
+            if values.dtype.kind not in "biuf":
+                raise TypeError(f"dtype {values.dtype}")
+            values = values.astype(np.float64)
+    except (TypeError, ValueError) as e:
+        raise InvalidPriorityError(
+            f"{op}: priorities must be real numbers, got {type(priorities).__name__} "
+            f"({str(e)[:80]}); nothing was written. Fix: pass floats >= 0, e.g. |TD error|"
+        ) from None
+    want = () if n is None else (n,)
+    if values.shape != want:
+        raise InvalidPriorityError(
+            f"{op}: priorities of shape {values.shape} for {'one row' if n is None else f'{n} rows'}"
+            f"; expected shape {want}: one priority per row. Nothing was written")
+    # One reduction for the usual case: as unsigned 64-bit words, the finite doubles >= +0.0
+    # are exactly those below the bits of +inf (NaN, infinities and anything negative are
+    # above), and only then the check that says what is wrong (which lets -0.0 through).
+    if values.size and not (values.view(np.uint64).max() < _INF_BITS
+                            or values.min() >= 0 and values.max() < np.inf):  # NaN fails too
+        bad = ~np.isfinite(values) | (values < 0)
+        at = int(np.flatnonzero(bad.reshape(-1))[0])
+        where = "" if n is None else f" at position {at}"
+        raise InvalidPriorityError(
+            f"{op}: priority {float(values.reshape(-1)[at])!r}{where} is not allowed: priorities "
+            f"must be finite and >= 0 ({int(bad.sum())} bad of {values.size}); nothing was "
+            f"written. Fix: pass |TD error| (plus a small epsilon), e.g. np.abs(td) + 1e-6")
+    return values
+
+
 class Writer(LaneWriter):
     """Appends transitions to one lane. Get one with ``ReplayBuffer.writer()``.
 
@@ -211,12 +273,16 @@ class Writer(LaneWriter):
 
     A writer's class is made per spec (``writer_class``): its ``add`` names the spec's fields
     (``help(w.add)``), and where ``_add_c`` was built it stores the usual rows in one compiled
-    call (``store.add_method``), calling the ``add`` below for the rest.
+    call (``store.add_method``), calling the ``add`` below for the rest. Rows given with a
+    priority (``extend(..., priorities=)``, ``add_prioritized``) are stored by a second store of
+    the lane (compiled or not, as the first) that also stores the priority columns, under the
+    same stamps and ``committed``.
 
     Example:
         >>> with buf.writer() as w:
         ...     w.add(obs=o, action=a, reward=r)
         ...     w.extend({"obs": obs_batch, "action": act_batch, "reward": rew_batch})
+        ...     w.extend(rows, priorities=np.abs(td))  # an actor_priorities buffer (Ape-X)
         ...     w.end_episode(truncated=False, **{"return": 21.0})
     """
 
@@ -234,7 +300,10 @@ class Writer(LaneWriter):
         store = self._store = lane_store(storage, lane, self._checker, self._last_next_obs)
 
         # Take the lane over from whoever had it (nobody, a closed writer or a dead one).
+        claimed = q[self._w_reserved]  # (before take_over trims it: its rows' tags are there)
         committed = slots.take_over(q, self._w_committed, self._w_reserved, C)[0]
+        if claimed > committed:  # a dead writer's claim: it published none of those rows
+            forget_priorities(storage, lane, first=committed, end=claimed)
         q[w(L.LANE_EPOCH)] = q[w(L.LANE_EPOCH)] + 1
         q[w(L.LANE_WRITER_PID)] = os.getpid()
         episode, start = q[w(L.LANE_EPISODE)], q[w(L.LANE_EPISODE_START)]
@@ -329,7 +398,59 @@ class Writer(LaneWriter):
             i = store.append(values)
         return i  # type: ignore[no-any-return]
 
-    def extend(self, data: Mapping[str, Any], timeout: float | None = None) -> range:
+    def add_prioritized(self, priority: float, /, **fields: Any) -> int:
+        """``add`` with the row's priority (an ``actor_priorities`` buffer), e.g. an Ape-X
+        actor's |TD error|: a prioritized pool enters the row at it instead of at its maximum
+        priority. The priority comes first and positionally, so a field may be called
+        ``priority`` (``w.add_prioritized(0.7, obs=o, priority=3)``).
+
+        Raises:
+            InvalidPriorityError: the priority is NaN, infinite, negative or not a number.
+            SpecMismatchError: a field is wrong, or the buffer keeps no actor priorities.
+            Nothing is written in either case.
+        """
+        if self._closed_reason is not None:
+            self._raise_closed()
+        p = checked_priority(self._storage, priority, "add_prioritized()")
+        values = self._fast_row(fields) or self._check_row(fields)
+        return self._append_prioritized(values, p)
+
+    def _append_prioritized(self, values: Sequence[Any], priority: Any) -> int:
+        """Store one checked row with its checked priority at the lane's next index, waiting
+        for room as ``_append`` does; return the index."""
+        store = self._store
+        self._ensure_room(store.next, 1)
+        i = store.next
+        self._put_prioritized(i, store.episode_bits | (store.step & L.STEP_MASK), values,
+                              priority, None)
+        store.next = i + 1
+        store.step += 1
+        return i  # type: ignore[no-any-return]
+
+    def _put_prioritized(self, first: int, meta: int, values: Sequence[Any],
+                         priorities: Any, n: int | None) -> None:
+        """Publish one row (``n`` None: ``values`` of one row, ``priorities`` one number) or ``n``
+        rows at ``first`` with their priorities, through the lane's store of the priority
+        columns. A failure part-way takes back the priorities of the rows left unpublished."""
+        store = self._prioritized_store
+        if store is None:  # compiled only where the lane's own store is
+            make = lane_store if self._store.compiled else NumpyLaneStore
+            store = self._prioritized_store = make(self._storage, self.lane, self._checker,
+                                                   self._last_next_obs, with_priorities=True)
+        k = self._nstored  # the fields' values; a derived buffer's next_obs follows
+        tag = L.priority_row_tag(first)
+        try:
+            if n is None:
+                store.put(first, meta, [*values[:k], priorities, tag, *values[k:]])
+            else:
+                store.put_many(first, meta, [*values[:k], priorities,
+                                             np.arange(tag, tag + n), *values[k:]])
+        except BaseException:
+            forget_priorities(self._storage, self.lane, first, first + (1 if n is None else n))
+            raise
+
+    def extend(self, data: Mapping[str, Any], timeout: float | None = None, *,
+               priorities: Any = None) -> range:
         """Append a batch: ``data[field]`` has shape ``[n, *shape]``, the same n for every field.
 
         Rows are published together (one ``committed`` store). If n exceeds the lane's capacity,
@@ -337,18 +458,30 @@ class Writer(LaneWriter):
         by n. Validated whole first: a bad batch raises and changes nothing. May wait on the rate
         limiter up to ``timeout`` (default ``self.timeout``).
 
+        ``priorities`` (keyword only; ``[n]`` floats, an ``actor_priorities`` buffer): each
+        row's priority, published with the row (Ape-X's actor priorities; ``add_prioritized``
+        for one row). A prioritized pool enters the rows at them, rows without one at its
+        maximum priority. NaN, infinite or negative ones, or not n of them, raise
+        ``InvalidPriorityError`` and nothing is written.
+
         Returns:
             the logical indices given to the rows.
         """
         if self._closed_reason is not None:
             self._raise_closed()
         n, arrays = self._check_batch(data)
+        p = None if priorities is None else checked_priorities(self._storage, priorities, n,
+                                                                "extend()")
         store = self._store
         i0 = store.next
         if n == 0:
             return range(i0, i0)
         self._ensure_room(i0, n, timeout)
-        store.put_many(i0, store.episode_bits | (store.step & L.STEP_MASK), arrays)
+        meta = store.episode_bits | (store.step & L.STEP_MASK)
+        if p is None:
+            store.put_many(i0, meta, arrays)
+        else:
+            self._put_prioritized(i0, meta, arrays, p, n)
         store.next = i0 + n
         store.step += n
         return range(i0, i0 + n)

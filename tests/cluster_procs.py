@@ -1,5 +1,7 @@
-"""A local multi-node Ray cluster for the tests of ``workers.cluster``, and the Ray tasks and
-actors that write self-checking rows on a chosen node.
+"""A multi-node Ray cluster for the tests of ``workers.cluster`` (a local
+``ray.cluster_utils.Cluster``, or, in a test module that ``tests/test_cluster_isolated.py`` runs
+inside an isolated head node, those isolated nodes: ``tests/_helpers/netns_cluster.py``), and
+the Ray tasks and actors that write self-checking rows on a chosen node.
 
 Rows follow ``tests/_helpers/rows.py``; the row's ``lane`` field holds a *global* lane,
 ``node_index * lanes_per_node + lane``, so a learner can tell a row of another node (a foreign
@@ -31,14 +33,74 @@ NODE_ARGS = {"num_cpus": 1, "object_store_memory": 128 << 20}
 
 @contextlib.contextmanager
 def learner_first_nodes(n_nodes: int) -> Iterator[list[str]]:
-    """``local_ray_cluster(n_nodes)``, yielding its live node ids, the learner's (this
-    process's) node first."""
+    """``ray_cluster(n_nodes)``, yielding its live node ids, the learner's (this process's)
+    node first."""
+    with ray_cluster(n_nodes):
+        yield live_nodes_learner_first()
+
+
+def live_nodes_learner_first() -> list[str]:
     from workers.cluster import current_node_id
 
-    with local_ray_cluster(n_nodes):
-        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        here = current_node_id()
-        yield [here] + [n for n in ids if n != here]
+    ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    here = current_node_id()
+    return [here] + [n for n in ids if n != here]
+
+
+@contextlib.contextmanager
+def ray_cluster(n_nodes: int) -> Iterator[Any]:
+    """A connected Ray cluster of ``n_nodes`` nodes with ``add_node``, ``remove_node`` and
+    ``wait_for_nodes``: the isolated nodes this process runs in (``netns_cluster.inside()``),
+    else a local one (``local_ray_cluster``)."""
+    from tests._helpers import netns_cluster
+
+    if not netns_cluster.inside():
+        with local_ray_cluster(n_nodes) as cluster:
+            yield cluster
+        return
+    with isolated_ray_cluster(n_nodes) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def isolated_ray_cluster(n_nodes: int) -> Iterator[Any]:
+    """Connect to the isolated nodes this process runs in (the learner on the head); on exit
+    lose the nodes a test added and left, disconnect, and check that no live node's /dev/shm
+    holds a segment of a cluster (each node's own /dev/shm, seen from inside it)."""
+    from tests._helpers import netns_cluster
+    from workers.cluster import netns
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT,
+                                                         signal.SIGHUP)}
+    node_set = netns_cluster.IsolatedNodeSet()
+    running = [n for n in node_set.nodes.nodes if n.node_id]
+    assert len(running) == n_nodes, f"the isolated cluster runs {len(running)} nodes, not {n_nodes}"
+    netns.connect(runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    try:
+        node_set.wait_for_nodes(timeout=60)
+        yield node_set
+    finally:
+        try:
+            node_set.lose_added()
+        finally:
+            ray.shutdown()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    left = {k: [e for e in names if e.startswith("shmbuf-")]
+            for k, names in _wait_for_empty_shm(node_set).items()}
+    assert not any(left.values()), f"shmbuf segments left on the isolated nodes: {left}"
+
+
+def _wait_for_empty_shm(node_set: Any, timeout: float = 30.0) -> dict[int, list[str]]:
+    """Each live node's /dev/shm once no shmbuf entry is left in it (the hosts' pools exit
+    after the driver), or as it stands at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shm = node_set.shm_of_live_nodes()
+        if not any(e.startswith("shmbuf-") for names in shm.values() for e in names) or \
+                time.monotonic() >= deadline:
+            return shm
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -102,6 +164,29 @@ def write_rows(client: Any, node_index: int, lanes_per_node: int, n: int,
         w.extend(ROWS.batch(global_lane(node_index, w.lane, lanes_per_node),
                             np.arange(i0, i0 + n)))
         return ray.get_runtime_context().get_node_id(), w.lane, n
+
+
+@ray.remote(num_cpus=0)
+def node_committed(client: Any, node_id: str) -> int:
+    """Rows ever committed to ``node_id``'s buffer, read on that node (through its shared
+    memory; a task, since no other node sees it): run it there with ``on_node``."""
+    return int(client.buffer(node_id).committed().sum())
+
+
+def committed_per_node(cluster: Any, timeout: float = 30.0) -> np.ndarray:
+    """Rows committed on each node of ``cluster`` now, each read on its own node (works while
+    a node's host is down: the buffer outlives it)."""
+    from workers.cluster import on_node
+
+    refs = [node_committed.options(**on_node(n)).remote(cluster.client(), n)
+            for n in cluster.node_ids]
+    return np.array(ray.get(refs, timeout=timeout), np.int64)
+
+
+@ray.remote(num_cpus=0)
+def segments_here(prefix: str) -> list[str]:
+    """The /dev/shm entries starting with ``prefix`` on the node this task runs on."""
+    return sorted(n for n in os.listdir(shmdir.SHM_DIR) if n.startswith(prefix))
 
 
 @ray.remote(num_cpus=0)

@@ -1,4 +1,5 @@
-"""``ReplayCluster`` on a local 3-node Ray cluster (started once for the module): hosts on every
+"""``ReplayCluster`` on a 3-node Ray cluster (started once for the module; isolated nodes where
+root allows: ``tests/test_cluster_isolated.py``): hosts on every
 node, writers in Ray tasks attaching to their own node's buffer, and the learner's sampler
 drawing uniformly over the union of the nodes' rows, never a torn or foreign row.
 """
@@ -15,10 +16,11 @@ ray = pytest.importorskip("ray")
 import shmbuf  # noqa: E402
 from shmbuf import RateLimit  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
+from tests._helpers.netns_cluster import local_unless_isolated  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
 from workers.cluster import NoHostOnNodeError, ReplayCluster, on_node  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), local_unless_isolated]
 
 LANES = 2
 

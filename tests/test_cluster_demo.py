@@ -38,3 +38,27 @@ def test_demo_runs_across_two_local_ray_nodes():
         i.name.startswith("shmbuf-ray-")
         or str((i.header.doc if i.header else {}).get("buffer", "")).startswith("shmbuf-ray-"))]
     assert not left, left
+
+
+def test_demo_runs_on_isolated_nodes():
+    """``--isolated``: the same demo on nodes with a network namespace and /dev/shm each, the
+    learner in the head's; every namespace, link and process it made is gone afterwards."""
+    from tests._helpers import netns_cluster
+
+    reason = netns_cluster.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    mine = set(descendants(os.getpid()))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.demo", "--ray-nodes", "2", "--isolated", "--seconds",
+         "3", "--capacity", "1024", "--batch-size", "64", "--min-size", "256", "--train-ms",
+         "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:] + out[-2000:]
+    assert "shmbuf demo on Ray: 2 isolated nodes" in out
+    assert "here" in out and "summary:" in out and "GB/s of it through Ray" in out
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True,
+                          text=True).stdout == before
+    assert not set(descendants(os.getpid())) - mine

@@ -1,4 +1,5 @@
-"""Faults of a ``ReplayCluster`` on a local Ray cluster (started once for the module): an actor
+"""Faults of a ``ReplayCluster`` on a Ray cluster (started once for the module; isolated nodes
+where root allows): an actor
 SIGKILLed (restarted by Ray, its lane taken over), a host actor SIGKILLed (restarted; it
 re-adopts its node's segment and no row is lost), a node removed (dropped with a warning, or a
 typed error when strict), also when the sampler finds the loss while polling the nodes'
@@ -20,29 +21,29 @@ ray = pytest.importorskip("ray")
 
 import shmbuf  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
+from tests._helpers.netns_cluster import local_unless_isolated  # noqa: E402
 from tests._helpers.rows import ShiftedBatches  # noqa: E402
 from workers.cluster import (  # noqa: E402
     HostRestartedWarning,
     NodeLostError,
     NodeLostWarning,
     ReplayCluster,
-    current_node_id,
 )
 from workers.cluster.nodes import node_alive  # noqa: E402
 from workers.cluster.sources import NodeLost  # noqa: E402
 from workers.selection import Queue  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240), local_unless_isolated]
 
 LANES = 2
 
 
 @pytest.fixture(scope="module")
 def ray_nodes():
-    with cp.local_ray_cluster(3) as cluster_utils:
-        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        here = current_node_id()
-        yield cluster_utils, [here] + [n for n in ids if n != here]
+    """The cluster (``add_node``, ``remove_node``: on isolated nodes, a node is lost by killing
+    every process in its namespace) and its node ids, the learner's first."""
+    with cp.ray_cluster(3) as cluster_utils:
+        yield cluster_utils, cp.live_nodes_learner_first()
 
 
 def row_actor(node_ids: list[str]):
@@ -261,3 +262,69 @@ def test_queue_batch_keeps_its_rows_when_a_node_is_lost_in_it(ray_nodes):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cluster.close()
+
+
+def test_a_node_that_comes_back_is_taken_in_with_a_new_buffer(ray_nodes):
+    """A node lost and started again (on isolated nodes: in the same namespace, with an empty
+    /dev/shm) is a new Ray node: ``cluster.add_node`` starts a host there with a new buffer,
+    the running sampler draws from it (a new index in ``node_ids``), and actors start there
+    again; no row is torn or foreign."""
+    cluster_utils, nodes = ray_nodes
+    extra = cluster_utils.add_node(**cp.NODE_ARGS)
+    cluster_utils.wait_for_nodes(timeout=60)
+    pair = [nodes[0], extra.node_id]
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
+                       nodes=pair) as cluster:
+        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 300)
+                 for k, n in enumerate(pair)], timeout=60)
+        with cluster.sampler(32, seed=10, timeout=90, rows_per_call=64,
+                             prefetch_calls=2) as sampler:
+            assert sample_checked(sampler, 10)[1] > 0
+            cluster_utils.remove_node(extra, allow_graceful=False)
+            with pytest.warns(NodeLostWarning):
+                while extra.node_id not in sampler.stats()["dropped"]:
+                    sample_checked(sampler, 5)
+            back = cluster_utils.add_node(**cp.NODE_ARGS)
+            cluster_utils.wait_for_nodes(timeout=60)
+            assert back.node_id not in pair  # a new Ray node
+            with pytest.raises(ValueError, match="has a host"):
+                cluster.add_node(nodes[0])
+            info = cluster.add_node(back.node_id)
+            assert not info["adopted"] and info["size"] == 0  # a new, empty buffer
+            assert sampler.node_ids == [*pair, back.node_id]
+            group = cluster.actors(row_actor(sampler.node_ids), per_node=1,
+                                   nodes=[back.node_id])
+            counts = np.zeros(3, np.int64)
+            deadline = time.monotonic() + 90
+            while counts[2] < 64:  # rows of the new node's actor, drawn by the same sampler
+                assert time.monotonic() < deadline, counts
+                counts += sample_checked(sampler, 5)
+                group.poll()
+            assert counts[1] == 0  # the lost node's rows never come back
+            group.stop()
+        cluster_utils.remove_node(back, allow_graceful=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cluster.close()
+
+
+def test_close_removes_what_a_dead_host_left_on_its_own_node(ray_nodes):
+    """A host SIGKILLed for good (no restarts) leaves its node's buffer in *that node's*
+    /dev/shm (on isolated nodes nobody else sees it): ``close()`` sweeps every live node on the
+    node itself, so it is gone afterwards."""
+    _, nodes = ray_nodes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dead host did not close
+        cluster = ReplayCluster(cp.ROWS.fields, capacity_per_node=64, lanes_per_node=1,
+                                nodes=nodes, host_restarts=0)
+        try:
+            node, name = nodes[2], cluster.buffer_names[nodes[2]]
+            ray.get(cp.write_rows.options(**cluster.on_node(node)).remote(cluster, 2, 1, 10),
+                    timeout=60)
+            os.kill(cluster.info()[node]["pid"], signal.SIGKILL)
+            cp.wait_for(lambda: node not in cluster.info(timeout=2.0), 60, "the host's death")
+            on_it = cp.segments_here.options(**cluster.on_node(node))
+            assert ray.get(on_it.remote(name), timeout=60) == [name]  # left behind
+        finally:
+            cluster.close()
+    assert ray.get(on_it.remote(name), timeout=60) == []

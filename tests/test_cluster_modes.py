@@ -1,7 +1,8 @@
-"""Prioritized and queue sampling across the nodes of a ``ReplayCluster`` (a local 3-node Ray
-cluster, started once for the module): draws in proportion to priorities over the union, with
-importance weights against the smallest priority of all nodes and updates routed to each row's
-node; the queue delivers every row of every node exactly once, through actor and host SIGKILLs.
+"""Prioritized and queue sampling across the nodes of a ``ReplayCluster`` (a 3-node Ray
+cluster, started once for the module; isolated nodes where root allows): draws in proportion to
+priorities over the union, with importance weights against the smallest priority of all nodes
+and updates routed to each row's node; the queue delivers every row of every node exactly
+once, through actor and host SIGKILLs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ ray = pytest.importorskip("ray")
 
 import shmbuf  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
+from tests._helpers.netns_cluster import local_unless_isolated  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
 from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
 from workers.selection import Prioritized, Queue  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300), local_unless_isolated]
 
 LANES = 2
 

@@ -63,7 +63,7 @@ def test_pin_memory_is_a_layer_for_torch_and_a_warning_for_numpy():
                 assert type(pool._delivery) is PinnedDelivery
                 assert pool._delivery.pinned is None and pool._delivery.backend is None
                 procs.assert_batch_ok(_host(pool.next(timeout=30)), B)
-        with pytest.warns(UserWarning, match="only applies to output='torch'"):
+        with pytest.warns(UserWarning, match="only applies to Output"):
             with SamplerPool(buf, B, workers=0, output=Output("numpy", pin_memory=True),
                              seed=0) as pool:
                 assert type(pool._delivery) is InProcessDelivery

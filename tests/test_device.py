@@ -420,13 +420,11 @@ def test_device_cpu_delivers_owned_tensors(buf, start_method):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_device_cuda_without_cuda_fails_at_construction(buf):
-    from shmbuf.scan import scan
-
-    before = {s.name for s in scan()}
+def test_device_cuda_without_cuda_fails_at_construction(buf, own_shm_entries):
+    before = own_shm_entries()
     with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):
         SamplerPool(buf, B, workers=2, device="cuda")
-    assert {s.name for s in scan()} == before  # no staging ring, no worker started
+    assert own_shm_entries() == before  # no staging ring, no worker started
 
 
 @pytest.mark.parametrize("device, match", [("tpu:0", "not 'tpu'|not a torch device"),

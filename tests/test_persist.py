@@ -11,6 +11,7 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable
 
 import multiprocess
 import numpy as np
@@ -306,8 +307,17 @@ def test_save_while_writer_processes_write(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Broken checkpoints
 # --------------------------------------------------------------------------------------------
+_OWN_ENTRIES: list[Callable[[], set[str]]] = []  # the running test's own_shm_entries
+
+
+@pytest.fixture(autouse=True)
+def _own_entries(own_shm_entries):
+    _OWN_ENTRIES[:] = [own_shm_entries]
+
+
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """The /dev/shm entries this session made (other programs' come and go meanwhile)."""
+    return _OWN_ENTRIES[0]()
 
 
 @pytest.fixture
@@ -362,15 +372,15 @@ def test_manifest_that_disagrees_with_itself_is_a_checkpoint_error(saved):
     _load_fails(saved, "lane 2's entry")
 
 
-def test_failure_after_the_buffer_exists_closes_it(saved, monkeypatch):
+def test_failure_after_the_buffer_exists_closes_it(saved, monkeypatch, own_shm_entries):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(shmbuf.storage.BufferStorage, "restore_lane", boom)
-    before = _shm()
+    before = own_shm_entries()
     with pytest.raises(RuntimeError, match="disk on fire"):
         shmbuf.ReplayBuffer.load(saved)
-    assert _shm() <= before
+    assert own_shm_entries() <= before
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,10 +31,6 @@ def buf():
     b.close()
 
 
-def _our_segments() -> set[str]:
-    return {s.name for s in scan()}
-
-
 # --------------------------------------------------------------------------------------------
 # Batches: shapes, dtypes, values
 # --------------------------------------------------------------------------------------------
@@ -154,13 +150,13 @@ def test_fields_subset(buf, start_method):
 # --------------------------------------------------------------------------------------------
 # In-process mode
 # --------------------------------------------------------------------------------------------
-def test_in_process_mode_has_the_same_api(buf):
+def test_in_process_mode_has_the_same_api(buf, own_shm_entries):
     """``n_workers=0`` samples in this process behind the same API: no process, no staging
     segment, the same Batch life cycle, stats, a Timeout naming min_size."""
-    before = _our_segments()
+    before = own_shm_entries()
     with SamplerPool(buf, B, workers=0, seed=0) as pool:
         assert pool.worker_pids == [] and pool.staging_name is None
-        assert _our_segments() == before  # no staging ring
+        assert own_shm_entries() == before  # no staging ring
         first = pool.next(timeout=5)
         procs.assert_batch_ok(first, B)
         kept = first.copy()
@@ -273,15 +269,15 @@ def test_torch_output_in_process():
         (lambda: {"workers": Workers(1, start_method="telepathy")}, r"telepathy"),
     ],
 )
-def test_bad_arguments_raise_clear_value_errors(buf, kwargs, match):
+def test_bad_arguments_raise_clear_value_errors(buf, kwargs, match, own_shm_entries):
     """Each bad argument raises a ValueError that names it and the value given, and nothing is
     left behind: no segment, no process."""
     import multiprocess
 
-    before = _our_segments()
+    before = own_shm_entries()
     with pytest.raises(ValueError, match=match):
         SamplerPool(buf, **{"batch_size": 4, "workers": 1, **kwargs()})
-    assert _our_segments() == before
+    assert own_shm_entries() == before
     assert multiprocess.active_children() == []
     assert not buf.closed  # the caller's buffer is untouched
 
@@ -403,7 +399,7 @@ def test_transform_spec_skips_the_dry_run(buf):
         assert list(batch) == ["index"] and (batch["index"] == batch.indices).all()
 
 
-def test_unpicklable_transform_fails_in_the_constructor(buf):
+def test_unpicklable_transform_fails_in_the_constructor(buf, own_shm_entries):
     """A transform closing over a lock fails in ``SamplerPool(...)`` with a TypeError naming it
     and the cause; no segment and no process is left."""
     import multiprocess
@@ -414,10 +410,10 @@ def test_unpicklable_transform_fails_in_the_constructor(buf):
         with lock:
             return batch
 
-    before = _our_segments()
+    before = own_shm_entries()
     with pytest.raises(TypeError, match=r"guarded_transform.*cannot be serialised.*lock"):
         SamplerPool(buf, 4, workers=Workers(2, start_method="spawn"), transform=guarded_transform)
-    assert _our_segments() == before
+    assert own_shm_entries() == before
     assert multiprocess.active_children() == []
     with pytest.raises(TypeError, match="transform must be callable"):
         SamplerPool(buf, 4, workers=1, transform=42)

@@ -138,9 +138,9 @@ BAD_OBJECTS = {
                             r"samples_per_insert tolerance must be >= 0, got nan"),
     "Plan sequence_length": (lambda: Plan(sequence_length=0), ValueError,
                              r"sequence_length must be an int >= 1, got 0"),
-    "Plan sequences and stacks": (lambda: Plan(sequence_length=4, frame_stack=2), ValueError,
-                                  r"sequence_length cannot be combined with frame_stack or "
-                                  r"n_step.*Stack or accumulate them in the learner"),
+    "Plan sequences and n-step": (lambda: Plan(sequence_length=4, n_step=2), ValueError,
+                                  r"sequence_length cannot be combined with n_step or "
+                                  r"frame_lookahead.*Accumulate returns in the learner"),
 }
 
 

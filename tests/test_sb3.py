@@ -7,6 +7,7 @@ Skipped without stable-baselines3 (the ``sb3`` extra; CI installs it).
 from __future__ import annotations
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -168,7 +169,9 @@ def test_optimize_memory_usage_derives_next_obs_and_keeps_final_obs():
         s = buf.sample(512)
         assert th.equal(s.next_observations, s.observations + 1)
         assert s.dones.sum() == 0  # every done here is a time limit
-        assert not buf.dones.any()  # SB3's resume hook writes into a scratch array
+        dones = np.array([[s % 7 == 6, s % 5 == 4] for s in range(30)], np.float32)
+        assert np.array_equal(buf.dones[:30], dones) and not buf.dones[30:].any()
+        assert np.array_equal(buf.timeouts[:30], dones)  # SB3's layout, at SB3's positions
     finally:
         buf.close()
 
@@ -339,3 +342,314 @@ def test_derived_next_obs_ends_an_episode_where_observations_do_not_chain():
         assert th.equal(s.next_observations, s.observations + 1)
     finally:
         buf.close()
+
+
+# -- SB3's attributes: SB3's layout at SB3's positions, read-only ------------------------------
+def _assert_same_layout(ours, theirs, upto=None):
+    """Every SB3 attribute of ``ours`` equals SB3's array, for the positions below ``upto``."""
+    rows = slice(None, upto)
+    names = ["actions", "rewards", "dones", "timeouts", "observations"]
+    if not ours.optimize_memory_usage:
+        names.append("next_observations")
+    for name in names:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        pairs = [(a[k], b[k]) for k in b] if isinstance(b, dict) else [(a, b)]
+        for x, y in pairs:
+            assert x.shape == y.shape and x.dtype == y.dtype, (name, x.shape, y.shape)
+            assert np.array_equal(np.asarray(x)[rows], y[rows]), name
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("spaces_", ["box", "discrete", "image", "dict"])
+def test_attributes_are_sb3s_arrays_at_sb3s_positions(n_envs, spaces_):
+    """Fed the same transitions, ``.observations``, ``.next_observations``, ``.actions``,
+    ``.rewards``, ``.dones``, ``.timeouts``, ``.pos`` and ``.full`` equal SB3's, before and past a
+    wrap of the ring and after ``reset()``; indexing them reads what SB3's arrays hold."""
+    obs_space, act_space = {
+        "box": (spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-2, 2, (2,), np.float64)),
+        "discrete": (spaces.Discrete(7), spaces.Discrete(3)),
+        "image": (spaces.Box(0, 255, (3, 8, 8), np.uint8), spaces.MultiDiscrete([3, 4])),
+        "dict": (spaces.Dict(pos=spaces.Box(-1, 1, (2,), np.float32), k=spaces.Discrete(4)),
+                 spaces.Box(-1, 1, (1,), np.float32)),
+    }[spaces_]
+    ours_cls, theirs_cls = ((DictReplayBuffer, Sb3DictReplayBuffer) if spaces_ == "dict"
+                            else (ReplayBuffer, Sb3ReplayBuffer))
+    ours = ours_cls(40, obs_space, act_space, device="cpu", n_envs=n_envs)
+    theirs = theirs_cls(40, obs_space, act_space, device="cpu", n_envs=n_envs)
+    try:
+        for steps in (7, 50):  # not full, then wrapped
+            feed([ours, theirs], obs_space, act_space, n_envs, steps, seed=steps)
+            assert (ours.pos, ours.full) == (theirs.pos, theirs.full)
+            _assert_same_layout(ours, theirs)
+        a, b = ours.observations, theirs.observations
+        a, b = (a["pos"], b["pos"]) if spaces_ == "dict" else (a, b)
+        rng = np.random.default_rng(0)
+        size = theirs.buffer_size
+        for key in (3, -1, slice(2, 9, 3), rng.integers(0, size, 12), [1, 1, 0],
+                    (rng.integers(0, size, 5), rng.integers(0, n_envs, 5)),
+                    (slice(None), 0), (Ellipsis, 0), rng.random(size) < 0.3,
+                    (slice(None), np.array([n_envs - 1, 0]))):
+            assert np.array_equal(a[key], b[key]), key
+        assert len(a) == len(b) and np.array_equal(a.mean(axis=0), b.mean(axis=0))
+        assert np.array_equal(ours.rewards == 0, theirs.rewards == 0)
+        ours.reset()
+        theirs.reset()
+        feed([ours, theirs], obs_space, act_space, n_envs, 5, seed=3)
+        assert (ours.pos, ours.full) == (theirs.pos, theirs.full) == (5, False)
+        _assert_same_layout(ours, theirs, upto=5)  # (SB3's arrays keep old rows past pos)
+        assert not np.asarray(ours.rewards)[5:].any()  # positions not written read as zeros
+    finally:
+        ours.close()
+
+
+def test_writes_are_refused_with_the_call_to_use_and_change_nothing():
+    """A write through an attribute, or setting ``pos``/``full``, raises ``RowsWriteError``
+    naming ``add()``/``reset()``; arrays read through a basic index are read-only (SB3's would
+    be views), fancy-indexed ones are the caller's; the rows stay readable and unchanged."""
+    from shmbuf.integrations.sb3 import RowsWriteError
+
+    obs_space, act_space = spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(3)
+    ours = ReplayBuffer(20, obs_space, act_space, device="cpu", n_envs=2)
+    try:
+        feed([ours], obs_space, act_space, 2, 30)
+        before = {n: np.array(getattr(ours, n)) for n in ("observations", "actions", "dones")}
+        writes = [
+            lambda: ours.observations.__setitem__(0, 1.0),
+            lambda: ours.dones.__setitem__(ours.pos - 1, True),  # (only with optimize_memory)
+            lambda: ours.rewards.__iadd__(1),
+            lambda: setattr(ours, "actions", np.zeros((20, 2, 1))),
+            lambda: setattr(ours, "pos", ours.pos + 1),
+            lambda: setattr(ours, "full", False),
+        ]
+        for write in writes:
+            with pytest.raises(RowsWriteError, match=r"add\(\).*reset\(\)"):
+                write()
+        with pytest.raises(ValueError, match="read-only"):
+            ours.observations[:3][0, 0] = 5.0
+        mine = ours.observations[[0, 1]]
+        mine[0] = 5.0  # a copy, as NumPy's fancy indexing gives
+        ours.pos = ours.pos  # (no change: allowed, as BaseBuffer.__init__ does)
+        for name, array in before.items():
+            assert np.array_equal(np.asarray(getattr(ours, name)), array), name
+        assert ours.sample(8).observations.shape == (8, 3) and ours.full and ours.pos == 0
+    finally:
+        ours.close()
+
+
+def test_full_on_an_empty_buffer_publishes_sb3s_zero_rows():
+    """SB3's arrays start as zeros, so ``full = True`` on an empty buffer makes zero
+    transitions sampleable (SB3's test_buffer_dtypes does it); shmbuf adds them."""
+    space = spaces.Box(0, 100, dtype=np.uint16)  # shape (): SB3's scalar observations
+    ours = ReplayBuffer(4, space, spaces.Discrete(10), device="cpu", n_envs=2)
+    theirs = Sb3ReplayBuffer(4, space, spaces.Discrete(10), device="cpu", n_envs=2)
+    try:
+        ours.full = theirs.full = True
+        assert len(ours) == 4 and (ours.pos, ours.full) == (0, True)  # 2 positions, 2 envs
+        _assert_same_layout(ours, theirs)
+        assert_same_samples(ours, theirs)
+    finally:
+        ours.close()
+
+
+def test_get_samples_reads_sb3s_positions():
+    """``_get_samples(batch_inds)`` returns SB3's transitions at those positions (envs drawn
+    from NumPy's generator as SB3 draws them); a position holding none raises."""
+    obs_space, act_space = spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(4)
+    ours = ReplayBuffer(30, obs_space, act_space, device="cpu", n_envs=3)
+    theirs = Sb3ReplayBuffer(30, obs_space, act_space, device="cpu", n_envs=3)
+    try:
+        feed([ours, theirs], obs_space, act_space, 3, 6)
+        inds = np.array([0, 5, 3, 3, 1])
+        np.random.seed(1)
+        a = ours._get_samples(inds)
+        np.random.seed(1)
+        b = theirs._get_samples(inds)
+        for name, x, y in zip(a._fields, a, b):
+            assert (x is y is None) or th.equal(x, y), name
+        with pytest.raises(shmbuf.StaleIndexError, match="below size"):
+            ours._get_samples(np.array([7]))
+        with pytest.raises(IndexError, match=r"\[0, 10\)"):
+            ours._get_samples(np.array([10]))
+    finally:
+        ours.close()
+
+
+def test_optimize_memory_usage_layout_and_sb3s_resume_hook():
+    """With ``optimize_memory_usage`` the observations sit at SB3's positions (no
+    ``next_observations``, as in SB3); SB3's ``learn()`` resume hook, ``dones[pos - 1] = True``,
+    ends the open episodes through the writer (truncated); any other write is refused."""
+    from shmbuf.integrations.sb3 import RowsWriteError
+
+    obs_space, act_space = spaces.Box(-1e6, 1e6, (1,), np.float32), spaces.Discrete(2)
+    ours = ReplayBuffer(32, obs_space, act_space, device="cpu", n_envs=2,
+                        optimize_memory_usage=True, handle_timeout_termination=False)
+    theirs = Sb3ReplayBuffer(32, obs_space, act_space, device="cpu", n_envs=2,
+                             optimize_memory_usage=True, handle_timeout_termination=False)
+    try:
+        t = np.array([0.0, 100.0], np.float32)
+        for step in range(9):
+            done = np.array([step == 4, False])
+            for b in (ours, theirs):
+                b.add(t[:, None], (t + 1)[:, None], np.array([0, 1]),
+                      np.ones(2, np.float32), done, [{}, {}])
+            t = np.where(done, 50.0, t + 1)
+        _assert_same_layout(ours, theirs, upto=9)
+        with pytest.raises(AttributeError, match="optimize_memory_usage"):
+            assert ours.next_observations is None  # (raises)
+        with pytest.raises(RowsWriteError):
+            ours.dones[0] = True
+        assert ours.shared.episodes()["length"].tolist() == [5]
+        ours.dones[(ours.pos - 1) % ours.buffer_size] = True  # SB3's _setup_learn
+        episodes = ours.shared.episodes()
+        assert sorted(episodes["length"].tolist()) == [4, 5, 9]
+        assert episodes["truncated"].tolist().count(True) == 2
+        np.random.seed(0)
+        s = ours.sample(256)
+        assert th.equal(s.next_observations, s.observations + 1)  # true final observations
+    finally:
+        ours.close()
+
+
+# -- non-contiguous observations (VecTransposeImage) -------------------------------------------
+def test_any_strides_are_stored_as_sb3_stores_them():
+    """Transposed, reversed, Fortran-ordered and sliced arrays are copied in as SB3 copies
+    them (SB3's ``VecTransposeImage`` hands ``add`` non-contiguous images)."""
+    obs_space = spaces.Box(0, 255, (3, 6, 5), np.uint8)
+    ours = ReplayBuffer(16, obs_space, spaces.Discrete(2), device="cpu", n_envs=2)
+    theirs = Sb3ReplayBuffer(16, obs_space, spaces.Discrete(2), device="cpu", n_envs=2)
+    rng = np.random.default_rng(0)
+    try:
+        for i in range(12):
+            hwc = rng.integers(0, 256, (2, 6, 5, 3), dtype=np.uint8)
+            obs = [hwc.transpose(0, 3, 1, 2), np.asfortranarray(hwc.transpose(0, 3, 1, 2)),
+                   rng.integers(0, 256, (2, 3, 6, 10), dtype=np.uint8)[..., ::2],
+                   hwc.transpose(0, 3, 1, 2)[::-1, :, ::-1]][i % 4]
+            assert not obs.flags.c_contiguous
+            for b in (ours, theirs):
+                b.add(obs, obs[:, ::-1], np.array([[i % 2], [1]]), np.ones(2, np.float32),
+                      np.array([False, i % 5 == 4]), [{}, {}])
+        _assert_same_layout(ours, theirs)
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize("n_envs", [1, 2])
+@pytest.mark.parametrize("dict_obs", [False, True])
+def test_cnn_policy_trains_on_channel_last_images(n_envs, dict_obs):
+    """The issue's reproduction: DQN with CnnPolicy (MultiInputPolicy for Dict) on SB3's
+    channel-last image envs, which VecTransposeImage hands to add() transposed; the rows
+    stored are the images the env produced (``observations`` compared with SB3's buffer)."""
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.envs import FakeImageEnv, SimpleMultiObsEnv
+
+    env_cls = (lambda: SimpleMultiObsEnv(random_start=False)) if dict_obs else (
+        lambda: FakeImageEnv(screen_height=36, screen_width=36, n_channels=3, discrete=True))
+    policy = "MultiInputPolicy" if dict_obs else "CnnPolicy"
+    env = make_vec_env(env_cls, n_envs=n_envs, seed=0)
+    buffer_class = DictReplayBuffer if dict_obs else ReplayBuffer
+    model = silent_logger(sb3.DQN(policy, env, buffer_size=64, learning_starts=20,
+                                  batch_size=8, seed=0, replay_buffer_class=buffer_class))
+    try:
+        model.learn(40)
+        rb = model.replay_buffer
+        assert isinstance(rb, buffer_class) and len(rb) == 40
+        images = rb.observations["img"] if dict_obs else rb.observations
+        assert images.shape[2:] == ((1, 64, 64) if dict_obs else (3, 36, 36))  # transposed
+        assert np.asarray(images)[: rb.pos].any()  # the env's pixels, not zeros
+    finally:
+        model.replay_buffer.close()
+
+
+# -- another process reads the buffer by name while the model trains ---------------------------
+class CountingEnv(gym.Env):
+    """Every observation checks itself: ``[episode, t, 7 t + episode]``; reward ``t`` after the
+    step; episodes end at t = 15. A row mixing two transitions fails ``check_rows``."""
+
+    observation_space = spaces.Box(-1e9, 1e9, (3,), np.float32)
+    action_space = spaces.Discrete(2)
+    episode = t = 0
+
+    def _obs(self):
+        return np.array([self.episode, self.t, 7 * self.t + self.episode], np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.episode, self.t = self.episode + 1, 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), float(self.t), self.t == 15, False, {}
+
+
+def check_rows(batch):
+    """The rows of a sampled batch (field -> array) are whole transitions of CountingEnv."""
+    obs, nxt = batch["obs"], batch["next_obs"]
+    for o in (obs, nxt):
+        assert np.array_equal(o[:, 2], 7 * o[:, 1] + o[:, 0]), "a torn observation"
+    assert np.array_equal(nxt[:, :2], obs[:, :2] + [0, 1]), "next_obs of another step"
+    assert np.array_equal(batch["reward"][:, 0], nxt[:, 1]), "reward of another step"
+    assert np.array_equal(batch["done"][:, 0], (nxt[:, 1] == 15).astype(np.float32))
+
+
+def read_while_training(name, seen, stop):
+    """Attach SB3's buffer by name and sample it until ``stop``, checking every row;
+    ``seen`` is the most rows the buffer held when a batch was drawn."""
+    buf = shmbuf.ReplayBuffer.attach(name, timeout=60)
+    try:
+        while not stop.is_set():
+            held = len(buf)
+            if held == 0:
+                time.sleep(0.005)
+                continue
+            check_rows(buf.sample(64))
+            seen.value = max(seen.value, held)
+    finally:
+        buf.close()
+
+
+@pytest.mark.timeout(300)
+def test_another_process_reads_the_buffer_by_name_while_the_model_trains(mp):
+    """A DQN trains on two envs into shmbuf's SB3 buffer (it wraps); another process attaches
+    it by name and samples. Every 200 steps training waits until the reader has drawn a batch
+    from at least the rows held then, so reads provably overlap training; every row checks."""
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    class WaitForReader(BaseCallback):
+        def __init__(self, reader, seen):
+            super().__init__()
+            self.reader, self.seen, self.waits = reader, seen, 0
+
+        def _on_step(self):
+            if self.num_timesteps % 200 == 0:
+                held, deadline = len(self.model.replay_buffer), time.monotonic() + 60
+                while self.seen.value < held:
+                    assert self.reader.is_alive(), "the reader died (a bad row?)"
+                    assert time.monotonic() < deadline, "the reader read nothing for 60 s"
+                    time.sleep(0.005)
+                self.waits += 1
+            return True
+
+    env = make_vec_env(CountingEnv, n_envs=2, seed=0)
+    model = silent_logger(sb3.DQN("MlpPolicy", env, buffer_size=300, learning_starts=50,
+                                  batch_size=16, seed=0, policy_kwargs={"net_arch": [8]},
+                                  replay_buffer_class=ReplayBuffer))
+    seen, stop = mp.Value("q", 0), mp.Event()
+    reader = mp.Process(target=read_while_training,
+                        args=(model.replay_buffer.shared.name, seen, stop))
+    reader.start()
+    callback = WaitForReader(reader, seen)
+    try:
+        model.learn(1_200, callback=callback)
+        assert callback.waits == 6 and model.replay_buffer.full  # (it wrapped)
+        check_rows(model.replay_buffer.shared.sample(256))  # the owner's rows check too
+    finally:
+        stop.set()
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
+            reader.join()
+        model.replay_buffer.close()
+        callback.seen = None  # (the model's reference cycles keep the callback: not its lock)
+    assert reader.exitcode == 0

@@ -232,20 +232,25 @@ def test_dumps_loads_round_trip(tmp_path):
         assert_same(restored.get(torch.arange(CAPACITY)), storage.get(torch.arange(CAPACITY)))
 
 
-def test_cursor_mismatch_and_in_place_writes_raise():
+def test_writes_at_held_positions_rewrite_and_new_positions_must_come_next():
+    """A writer whose cursor another process moved rewrites the rows at its positions (as
+    ``LazyTensorStorage`` would); a new position past the next one raises before any store."""
     with Storage(CAPACITY) as storage:
         rb = ReplayBuffer(storage=storage, batch_size=2)
         rb.extend(batch(0, 3))
         other = Storage.from_name(storage.name)
         try:
             storage.close_writer()
-            other.extend(batch(3, 2))  # appended behind TorchRL's writer
+            other.extend(batch(3, 2))  # appended behind TorchRL's writer (cursor 3)
             other.close_writer()
-            with pytest.raises(CursorMismatchError, match="next position is 5"):
-                rb.extend(batch(10, 2))
+            rb.extend(batch(10, 2))  # positions 3, 4: held, rewritten in place
             assert len(rb) == 5
-            with pytest.raises(CursorMismatchError):
-                rb.storage[0] = batch(0, 1)[0]
+            assert storage[torch.arange(5)]["action"].tolist() == [0, 1, 2, 10, 11]
+            rb.storage[0] = batch(20, 1)[0]
+            assert storage[0]["action"].item() == 20
+            with pytest.raises(CursorMismatchError, match=r"positions \[7\]"):
+                storage.set(torch.tensor([1, 7]), batch(30, 2))
+            assert storage[torch.arange(5)]["action"].tolist() == [20, 1, 2, 10, 11]
         finally:
             other.close()
 
@@ -256,8 +261,8 @@ def test_bad_input_is_refused_and_changes_nothing():
         rb.extend(batch(0, 3))
         with pytest.raises(SpecMismatchError, match="'action'"):
             storage.extend(batch(3, 2).exclude("action"))
-        with pytest.raises(TypeError, match="TensorDict"):
-            storage.extend(torch.zeros(3))  # type: ignore[arg-type]
+        with pytest.raises(SpecMismatchError, match="rows are a tensor"):
+            storage.extend(torch.zeros(3))  # the storage holds TensorDicts
         with pytest.raises(SpecMismatchError, match="bfloat16"):
             Storage(4).extend(TensorDict({"x": torch.zeros(2, dtype=torch.bfloat16)}, [2]))
         assert len(rb) == 3

@@ -268,6 +268,10 @@ class SamplerPool(EpochIteration):
             "learner_wait_s": self._wait_s,
             "learner_wait_frac": self._wait_s / elapsed,
             "priority_updates_dropped": table.updates_dropped if table is not None else 0,
+            # rows entered at the priority their writer gave (actor priorities), and of them
+            # those above what the tree can sum, entered clipped
+            "actor_priorities_entered": table.actor_priorities_entered if table is not None else 0,
+            "actor_priorities_clipped": table.actor_priorities_clipped if table is not None else 0,
             # what this pool removed at its start that dead learners of the buffer had left,
             # and whether it took over a dead learner's priorities
             "reclaimed_segments": len(self._reclaimed),

@@ -17,9 +17,10 @@ from stable_baselines3.common.type_aliases import DictReplayBufferSamples, Repla
 from stable_baselines3.common.vec_env import VecNormalize
 
 from ..buffer import ReplayBuffer as SharedBuffer
-from ..errors import EmptyBufferError
+from ..errors import EmptyBufferError, StaleIndexError
 from ..sampling import Draw, Windows
 from ..spec import Spec
+from .sb3_columns import Column, ColumnDict, RowsWriteError, read_rows, refuse_write
 
 # Attributes that hold live shared-memory handles or processes: never pickled.
 _LIVE = ("_shared", "_writer", "_pool", "_pool_batch_size", "_rng", "_plan")
@@ -59,6 +60,17 @@ def _prefetch_options(prefetch: int, given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _read_only(read: Any) -> Any:
+    """One of SB3's array attributes: ``read`` gives its ``Column`` (or dict of them); setting
+    the attribute raises ``RowsWriteError``."""
+    name = read.__name__.removeprefix("_sb3_")
+
+    def refuse(self: Any, value: Any) -> None:
+        refuse_write(f"{name} = ...")
+
+    return property(read, refuse, doc=read.__doc__)
+
+
 class _SharedReplay:
     """What both SB3 buffer classes share: one shmbuf lane per env, SB3's shapes (``Spec.
     from_spaces(layout="sb3")``), SB3's sampling and seeding, pickling by value.
@@ -80,8 +92,15 @@ class _SharedReplay:
     ``prefetch``, draws come from a generator seeded from NumPy's global one at the first
     ``sample``. A prefetching pool samples while ``add`` runs, so its batches depend on timing.
 
+    SB3's attributes (``observations``, ``actions``, ``dones``...) are ``Column``s over the
+    rows, in SB3's layout: ``_rows[position, env]`` is the logical index ``add`` gave the
+    transition SB3 keeps at that position (-1: none), so reads find SB3's positions after a
+    wrap, ``reset()`` and the final-observation rows of ``optimize_memory_usage``. Writes go
+    through ``add`` only (``RowsWriteError`` otherwise; see ``sb3_columns``).
+
     Concurrency: this process owns the buffer and its one ``VectorWriter`` (all lanes); other
-    processes may attach by ``name`` and sample. Pickling (SB3's ``save_replay_buffer``) stores
+    processes may attach by ``name`` and sample. ``_rows``, ``pos`` and ``full`` live in this
+    process: the positions are SB3's, not the buffer's. Pickling (SB3's ``save_replay_buffer``) stores
     the contents (``state_dict``), and unpickling creates a new segment holding them.
     """
 
@@ -92,8 +111,6 @@ class _SharedReplay:
     device: th.device
     obs_shape: Any
     action_dim: int
-    pos: int
-    full: bool
 
     def __init__(self, buffer_size: int, observation_space: spaces.Space,
                  action_space: spaces.Space, device: th.device | str = "auto", n_envs: int = 1,
@@ -105,6 +122,7 @@ class _SharedReplay:
                              "in SB3): pass optimize_memory_usage=False")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (sampler processes), got {prefetch!r}")
+        self._pos, self._full = 0, False  # (BaseBuffer.__init__ sets pos and full to these)
         sb3_buffers.BaseBuffer.__init__(self, buffer_size, observation_space,  # type: ignore[arg-type]
                                         action_space, device, n_envs=n_envs)
         self.buffer_size = max(buffer_size // n_envs, 1)
@@ -117,8 +135,10 @@ class _SharedReplay:
         self.spec = Spec.from_spaces(observation_space, action_space, layout="sb3",
                                      next_obs=not optimize_memory_usage)
         self._obs_keys = [k for k in self.spec if k.split("/")[0] == "obs"]
+        self._dict_obs = isinstance(observation_space, spaces.Dict)
         self._last_next_obs: dict[str, np.ndarray] | None = None  # derived: chain check
-        self._origin = np.zeros(n_envs, np.int64)  # per env: the logical index of position 0
+        # SB3's positions: the logical index of the transition at [position, env], -1 if none
+        self._rows = np.full((self.buffer_size, n_envs), -1, np.int64)
         self._add_shapes()
         self._open(name, None)
 
@@ -156,21 +176,119 @@ class _SharedReplay:
         """The shmbuf buffer underneath (attach to it by ``shared.name`` from other processes)."""
         return self._shared
 
+    # -- SB3's attributes ---------------------------------------------------------------------
     @property
-    def dones(self) -> np.ndarray:
-        """A scratch array: SB3 marks ``dones[pos] = True`` before resuming with
-        ``optimize_memory_usage``; here a broken chain of observations ends the episode."""
-        return np.zeros((self.buffer_size, self.n_envs), np.float32)
+    def pos(self) -> int:
+        """SB3's next position (``add`` moves it). Setting it to another value is refused
+        (``RowsWriteError``): the ring's next row is the lane's, not the caller's."""
+        return self._pos
 
-    @dones.setter
-    def dones(self, value: Any) -> None:
-        pass  # nothing to keep: see the getter
+    @pos.setter
+    def pos(self, value: int) -> None:
+        if value != self._pos:
+            refuse_write(f"pos = {value!r} (pos is {self._pos})")
+
+    @property
+    def full(self) -> bool:
+        """SB3's ``full``. ``full = True`` on an empty buffer (SB3's arrays are zeros) publishes
+        ``buffer_size`` zero transitions per env through ``add``, which is what SB3 then samples
+        from; any other change is refused (``RowsWriteError``)."""
+        return self._full
+
+    @full.setter
+    def full(self, value: bool) -> None:
+        if bool(value) == self._full:
+            return
+        if value and self._pos == 0 and len(self._shared) == 0 and not self.optimize_memory_usage:
+            self._publish_zero_rows()
+            return
+        refuse_write(f"full = {value!r} (full is {self._full}, pos {self._pos})")
+
+    def _publish_zero_rows(self) -> None:
+        """``buffer_size`` all-zero steps per env, added as any other (not a hot path: once)."""
+        lead = (self.n_envs,)
+        zeros = {name: np.zeros(lead + f.shape, f.dtype) for name, f in self.spec.items()}
+        obs: Any = ({k[4:]: zeros[k] for k in self._obs_keys} if self._dict_obs
+                    else zeros["obs"])
+        next_obs: Any = ({k[4:]: zeros["next_" + k] for k in self._obs_keys}
+                         if self._dict_obs else zeros["next_obs"])
+        infos: list[dict[str, Any]] = [{} for _ in range(self.n_envs)]
+        for _ in range(self.buffer_size):
+            self.add(obs, next_obs, zeros["action"], zeros["reward"], zeros["done"], infos)
+
+    def _column(self, field: str, tail: tuple[int, ...], dtype: Any, name: str,
+                write: Any = None) -> Column:
+        def read(positions: np.ndarray) -> np.ndarray:
+            return read_rows(self._shared, self._rows[positions], field, tail, dtype)
+
+        return Column(read, self.buffer_size, (self.n_envs, *tail), dtype, name, write)
+
+    def _observation_columns(self, prefix: str, name: str) -> Any:
+        space = self.observation_space
+        if self._dict_obs:
+            return ColumnDict({k[4:]: self._column(prefix + k[3:], self.spec[k].shape,
+                                                   space[k[4:]].dtype, f"{name}[{k[4:]!r}]")
+                               for k in self._obs_keys})
+        return self._column(prefix, self.spec["obs"].shape, space.dtype, name)
+
+    def _sb3_observations(self) -> Any:
+        """SB3's ``observations``, ``[buffer_size, n_envs, *obs_shape]`` (a dict of them for
+        Dict spaces)."""
+        return self._observation_columns("obs", "observations")
+
+    def _sb3_next_observations(self) -> Any:
+        """SB3's ``next_observations`` (as in SB3, absent with ``optimize_memory_usage``)."""
+        if self.optimize_memory_usage:
+            raise AttributeError("next_observations: with optimize_memory_usage=True SB3's "
+                                 "buffer has none either; the next observation of position p "
+                                 "is sampled with it (sample(), _get_samples())")
+        return self._observation_columns("next_obs", "next_observations")
+
+    def _sb3_actions(self) -> Column:
+        """SB3's ``actions``, ``[buffer_size, n_envs, action_dim]``."""
+        return self._column("action", self.spec["action"].shape, self.spec["action"].dtype,
+                            "actions")
+
+    def _sb3_rewards(self) -> Column:
+        """SB3's ``rewards``, ``[buffer_size, n_envs]`` float32."""
+        return self._column("reward", (), np.float32, "rewards")
+
+    def _sb3_dones(self) -> Column:
+        """SB3's ``dones``, ``[buffer_size, n_envs]`` float32. One write is taken: SB3's
+        ``learn()`` marks ``dones[pos - 1] = True`` before it resumes with
+        ``optimize_memory_usage``; that ends the envs' open episodes here (truncated: the true
+        next observation is kept, so no bootstrapping across the gap is lost)."""
+        return self._column("done", (), np.float32, "dones", self._write_dones)
+
+    def _sb3_timeouts(self) -> Column:
+        """SB3's ``timeouts``, ``[buffer_size, n_envs]`` float32 (``TimeLimit.truncated``; zeros
+        without ``handle_timeout_termination``, as in SB3)."""
+        return self._column("truncated", (), np.float32, "timeouts")
+
+    observations = _read_only(_sb3_observations)
+    next_observations = _read_only(_sb3_next_observations)
+    actions = _read_only(_sb3_actions)
+    rewards = _read_only(_sb3_rewards)
+    dones = _read_only(_sb3_dones)
+    timeouts = _read_only(_sb3_timeouts)
+
+    def _write_dones(self, key: Any, value: Any) -> None:
+        last = (self._pos - 1) % self.buffer_size
+        resume_hook = (self.optimize_memory_usage and np.ndim(value) == 0 and bool(value)
+                       and isinstance(key, (int, np.integer)) and int(key) == last
+                       and (self._full or self._pos > 0))
+        if not resume_hook:
+            refuse_write(f"dones[{key!r}] = {value!r}")
+        last_obs = self._last_next_obs
+        if last_obs is not None and last_obs["open"].any():
+            self._end_episodes(last_obs["open"], np.ones(self.n_envs, bool))
+        self._last_next_obs = None
 
     def size(self) -> int:
         """Transitions per env, as SB3's ``size()`` (``len(self)`` counts all envs)."""
         if self.optimize_memory_usage:
             return len(self._shared) // self.n_envs
-        return self.buffer_size if self.full else self.pos
+        return self.buffer_size if self._full else self._pos
 
     def __len__(self) -> int:
         return len(self._shared)
@@ -207,16 +325,16 @@ class _SharedReplay:
             np.float32).reshape(shapes["truncated"])
         if self.optimize_memory_usage:
             self._end_broken_chains(rows["obs"])
-        self._writer.add(**rows)
+        self._rows[self._pos] = self._writer.add(**rows)
         ended = done.reshape(self.n_envs).astype(bool)
         if ended.any() if self.n_envs > 1 else ended[0]:
             self._end_episodes(ended, truncated.reshape(self.n_envs).astype(bool))
         if self.optimize_memory_usage:
             last = np.array(rows["next_obs"]).reshape(self.n_envs, -1)
             self._last_next_obs = {"obs": last, "open": ~ended}
-        self.pos += 1
-        if self.pos == self.buffer_size:
-            self.full, self.pos = True, 0
+        self._pos += 1
+        if self._pos == self.buffer_size:
+            self._full, self._pos = True, 0
 
     def _end_broken_chains(self, obs: np.ndarray) -> None:
         """With derived next_obs, a step whose ``obs`` is not the previous step's ``next_obs``
@@ -232,16 +350,44 @@ class _SharedReplay:
     def _draw_like_sb3(self, windows: Windows, batch_size: int,
                        rng: np.random.Generator) -> Draw:
         """SB3's draw, from NumPy's global generator: a position below ``size()``, then an
-        env; position p of an env is the ring slot SB3 would use, i.e. the held index i with
-        ``(i - origin) % buffer_size == p`` (``origin``: the env's index at the last reset)."""
+        env; the row is the one ``add`` wrote at that position (``_rows``)."""
         upper = int(windows.sizes.min())
         if upper <= 0:
             raise EmptyBufferError("cannot sample: the replay buffer holds no transitions yet")
         positions = np.random.randint(0, upper, size=batch_size)
         lanes = np.random.randint(0, high=self.n_envs, size=(batch_size,))
-        lo = windows.lo[lanes]
-        return Draw(lanes.astype(np.int64),
-                    lo + (positions + self._origin[lanes] - lo) % self.buffer_size)
+        return Draw(lanes.astype(np.int64), self._rows[positions, lanes])
+
+    def _read_at(self, positions: np.ndarray, lanes: np.ndarray) -> dict[str, np.ndarray]:
+        """The transitions at SB3 positions ``positions`` of envs ``lanes``, as sampled."""
+        if positions.size and (positions.min() < 0 or positions.max() >= self.buffer_size):
+            raise IndexError(f"batch_inds must be positions in [0, {self.buffer_size}), got "
+                             f"{positions.min()}..{positions.max()}")
+        indices = self._rows[positions, lanes]
+        n = len(positions)
+        out = self._plan.allocate(n) if self._plan is not None else {
+            name: np.empty((n, *f.shape), f.dtype) for name, f in self.spec.items()}
+        if (indices < 0).any() or not self._shared.gather_at(out, lanes, indices,
+                                                             plan=self._plan):
+            raise StaleIndexError(
+                "_get_samples(): a position holds no transition (not written since the buffer "
+                "was made or reset, or overwritten); draw positions below size(), as sample() "
+                "does")
+        return out
+
+    def _get_samples(self, batch_inds: np.ndarray, env: VecNormalize | None = None) -> Any:
+        """SB3's ``_get_samples``: the transitions at positions ``batch_inds``, each of an env
+        drawn from NumPy's global generator as SB3 draws it."""
+        positions = np.asarray(batch_inds, np.int64).reshape(-1)
+        lanes = np.random.randint(0, high=self.n_envs, size=(len(positions),))
+        return self._samples(self._read_at(positions, lanes.astype(np.int64)), env)
+
+    def _samples(self, arrays: dict[str, np.ndarray], env: VecNormalize | None) -> Any:
+        raise NotImplementedError  # ReplayBuffer and DictReplayBuffer below
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> Any:
+        """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
+        return self._samples(self._sample_arrays(batch_size), env)
 
     def _generator(self) -> np.random.Generator:
         if self._rng is None:  # seeded from SB3's seed (set_random_seed seeds np.random)
@@ -276,17 +422,16 @@ class _SharedReplay:
     def _tensor(self, array: np.ndarray) -> th.Tensor:
         return th.from_numpy(array).to(self.device)  # the array is this call's own: no copy
 
-    def _common(self, batch_size: int, env: VecNormalize | None
-                ) -> tuple[dict[str, np.ndarray], th.Tensor, th.Tensor, th.Tensor]:
-        arrays = self._sample_arrays(batch_size)
+    def _common(self, arrays: dict[str, np.ndarray], env: VecNormalize | None
+                ) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
         dones = arrays["done"]
         if self.handle_timeout_termination:
             dones = dones * (1 - arrays["truncated"])
         rewards = arrays["reward"]
         if env is not None:
             rewards = np.asarray(env.normalize_reward(rewards), np.float32)
-        return (arrays, self._tensor(np.ascontiguousarray(arrays["action"])),
-                self._tensor(dones), self._tensor(rewards))
+        return (self._tensor(np.ascontiguousarray(arrays["action"])), self._tensor(dones),
+                self._tensor(rewards))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -295,9 +440,9 @@ class _SharedReplay:
         from the rows written after the reset, as in SB3's own buffer."""
         self._close_pool()
         self._shared.clear()
-        self._origin = self._shared.windows().lo.copy()  # each lane's first index from now on
+        self._rows.fill(-1)
         self._last_next_obs = None
-        self.pos, self.full = 0, False
+        self._pos, self._full = 0, False
 
     def _close_pool(self) -> None:
         if self._pool is not None:
@@ -319,12 +464,11 @@ class _SharedReplay:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         contents = state.pop("_shared_state")
-        self._origin = np.zeros(state["n_envs"], np.int64)  # (pickled before it existed)
         self.__dict__.update(state)
         self._open(None, contents)
 
 
-class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):
+class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):  # type: ignore[misc]
     """SB3's ``ReplayBuffer`` in shmbuf shared memory.
 
     Example:
@@ -335,9 +479,9 @@ class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):
         >>> model.learn(2_000); model.replay_buffer.close()
     """
 
-    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
-        """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
-        arrays, actions, dones, rewards = self._common(batch_size, env)
+    def _samples(self, arrays: dict[str, np.ndarray], env: VecNormalize | None
+                 ) -> ReplayBufferSamples:
+        actions, dones, rewards = self._common(arrays, env)
         obs: Any = arrays["obs"]
         next_obs: Any = arrays["next_obs"]
         if env is not None:
@@ -346,13 +490,12 @@ class ReplayBuffer(_SharedReplay, sb3_buffers.ReplayBuffer):
                                    self._tensor(np.asarray(next_obs)), dones, rewards)
 
 
-class DictReplayBuffer(_SharedReplay, sb3_buffers.DictReplayBuffer):
+class DictReplayBuffer(_SharedReplay, sb3_buffers.DictReplayBuffer):  # type: ignore[misc]
     """SB3's ``DictReplayBuffer`` in shmbuf shared memory (Dict observation spaces)."""
 
-    def sample(self, batch_size: int,  # type: ignore[override]
-               env: VecNormalize | None = None) -> DictReplayBufferSamples:
-        """``batch_size`` transitions as tensors on ``self.device`` that the caller owns."""
-        arrays, actions, dones, rewards = self._common(batch_size, env)
+    def _samples(self, arrays: dict[str, np.ndarray], env: VecNormalize | None
+                 ) -> DictReplayBufferSamples:
+        actions, dones, rewards = self._common(arrays, env)
         obs: Any = {k[4:]: arrays[k] for k in self._obs_keys}
         next_obs: Any = {k[4:]: arrays["next_" + k] for k in self._obs_keys}
         if env is not None:
@@ -362,4 +505,4 @@ class DictReplayBuffer(_SharedReplay, sb3_buffers.DictReplayBuffer):
             {k: self._tensor(np.asarray(v)) for k, v in next_obs.items()}, dones, rewards)
 
 
-__all__ = ["DictReplayBuffer", "ReplayBuffer"]
+__all__ = ["DictReplayBuffer", "ReplayBuffer", "RowsWriteError"]

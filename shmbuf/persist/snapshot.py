@@ -167,11 +167,12 @@ def _copy_lanes(
             i1 = min(i0 + chunk_rows, hi)
             at = pos + (i0 - lo)
             segments = ring_segments(i0, i1 - i0, C)
+            before = slots.load_run(stamps, segments, base)  # a rewrite in place changes them
             for a, b, off in segments:
                 for name, dst in fields.items():
                     dst[at + off : at + off + (b - a)] = cols[name][base + a : base + b]
                 meta[at + off : at + off + (b - a)] = meta_words[base + a : base + b]
-            bad = np.flatnonzero(~slots.still_held_run(stamps, segments, base, i0, i1))
+            bad = np.flatnonzero(~slots.still_held_run(stamps, segments, base, i0, i1, before))
             if bad.size:
                 keep_from = i0 + int(bad[-1]) + 1
             bar.update((i1 - i0) * row)

@@ -32,10 +32,18 @@ class Plan:
         cross_episodes: with sequences, let windows run past an episode's end (burn-in style):
             ``mask [B, T]`` marks the steps of the window's first episode, others are zero.
             Without it, windows never cross an episode boundary (and ``mask`` is all true).
+        stride: s > 1 (sequences only) lets a window start only at steps of its episode that
+            are multiples of s: steps 0, s, 2s, ... counted from the episode's first step (as
+            R2D2's actors cut episodes into overlapping sequences: ``sequence_length=120,
+            stride=40``). Uniform draws, priorities (one per start) and epochs hold only
+            those starts.
         frame_stack: k > 1 rebuilds ``[k + frame_lookahead, ...]`` stacks of ``stack_fields``
             from frames stored once: offsets ``-(k-1) .. frame_lookahead`` around each step,
             zero-padded with a ``<field>_mask`` where they fall outside the step's episode.
             ``next_obs`` (stored or derived) is stacked to ``[k, ...]`` as the stack one step on.
+            With sequences, every step of a window gets its stack: ``[B, T, k, ...]`` and
+            ``<field>_mask [B, T, k]`` (``frame_lookahead`` is then 0), zero at the steps
+            ``mask`` leaves out.
         frame_lookahead: frames after the step to include (unienv's postfetch horizon).
         stack_fields: the frame fields to stack (default ``obs``).
         n_step: n > 1 turns ``reward`` into the n-step discounted return (stopping at the
@@ -52,33 +60,45 @@ class Plan:
     stack_fields: tuple[str, ...] = ("obs",)
     n_step: int = 1
     gamma: float = 0.99
+    stride: int = 1
     reward_field: str = "reward"
     terminated_field: str = "terminated"
     obs_field: str = "obs"
     next_obs_field: str = "next_obs"
 
     def __post_init__(self) -> None:
-        for name in ("sequence_length", "frame_stack", "n_step"):
+        for name in ("sequence_length", "frame_stack", "n_step", "stride"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.frame_lookahead, (int, np.integer)) or self.frame_lookahead < 0:
+        if (isinstance(self.frame_lookahead, bool)
+                or not isinstance(self.frame_lookahead, (int, np.integer))
+                or self.frame_lookahead < 0):
             raise ValueError(f"frame_lookahead must be an int >= 0, got {self.frame_lookahead!r}")
         if not 0.0 <= float(self.gamma) <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
-        stacks_or_accumulates = self.frame_stack > 1 or self.frame_lookahead or self.n_step > 1
-        if self.sequence_length > 1 and stacks_or_accumulates:
+        if self.sequence_length > 1 and (self.frame_lookahead or self.n_step > 1):
             raise ValueError(
-                "sequence_length cannot be combined with frame_stack or n_step: sequences already "
-                "hold consecutive steps. Stack or accumulate them in the learner"
+                f"sequence_length cannot be combined with n_step or frame_lookahead (got "
+                f"n_step={self.n_step!r}, frame_lookahead={self.frame_lookahead!r}): sequences "
+                f"already hold consecutive steps. Accumulate returns in the learner; frame_stack "
+                f"does combine with sequences"
             )
+        if self.stride > 1 and self.sequence_length == 1:
+            raise ValueError(
+                f"stride={self.stride!r} spaces the starts of sequence windows, and "
+                f"sequence_length is 1. Fix: pass sequence_length=T > 1 with it, or drop stride"
+            )
+        if isinstance(self.stack_fields, str):
+            raise ValueError(f"stack_fields must be a tuple of field names, got "
+                             f"{self.stack_fields!r}. Fix: stack_fields=({self.stack_fields!r},)")
         object.__setattr__(self, "stack_fields", tuple(self.stack_fields))
 
     @property
     def is_plain(self) -> bool:
         """Uniform single transitions: the buffer's fast path."""
         return (self.sequence_length == 1 and self.frame_stack == 1 and
-                self.frame_lookahead == 0 and self.n_step == 1)
+                self.frame_lookahead == 0 and self.n_step == 1 and self.stride == 1)
 
     @property
     def stacks(self) -> bool:
@@ -134,17 +154,25 @@ def compile_plan(plan: Plan, spec: Any, derived_next_obs: bool,
         need(obs, "deriving next_obs")
     length = plan.sequence_length
     outputs: list[tuple[str, tuple[int, ...], np.dtype]] = []
-    if length > 1:
+    if plan.stacks:
+        for f in plan.stack_fields:
+            need(f, "frame_stack")
+    if length > 1:  # [T, ...] per field; stacked fields [T, k, ...] (no look-ahead here)
+        k = plan.frame_stack
         for name in wanted:
             src = obs if (name == plan.next_obs_field and derived_next_obs) else name
-            outputs.append((name, (length, *spec[src].shape), spec[src].dtype))
+            shape, dtype = spec[src].shape, spec[src].dtype
+            stacked = plan.stacks and (name in plan.stack_fields or (
+                name == plan.next_obs_field and obs in plan.stack_fields))
+            if stacked:
+                outputs.append((name, (length, k, *shape), dtype))
+                outputs.append((f"{name}_mask", (length, k), np.dtype(np.bool_)))
+            else:
+                outputs.append((name, (length, *shape), dtype))
         outputs.append((MASK, (length,), np.dtype(np.bool_)))
         return Compiled(plan, tuple(read), derived_next_obs, want_next, tuple(outputs), (length,))
 
     width = plan.frame_stack + plan.frame_lookahead
-    if plan.stacks:
-        for f in plan.stack_fields:
-            need(f, "frame_stack")
     if plan.n_step > 1:
         need(plan.reward_field, "n_step")
         need(plan.terminated_field, "n_step")

@@ -85,6 +85,10 @@ class QueueCursors:
         self.gaps = 0
         self.repeats = 0
 
+    def add_node(self) -> None:
+        """A node joined: its lanes start at row 0."""
+        self.next = np.vstack([self.next, np.zeros((1, self.next.shape[1]), np.int64)])
+
     def admit(self, k: int, chunk: Chunk) -> None:
         nxt = self.next[k]
         keep = chunk.indices >= nxt[chunk.lanes]

@@ -5,24 +5,27 @@ rows for a learner on another node, one reply of many rows per call.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
 from typing import Any
 
 import numpy as np
+import ray
 
 from shmbuf import ReplayBuffer
 from shmbuf.errors import SegmentExistsError, SegmentNotFoundError, SpecMismatchError
 from shmbuf.limiter import RateLimit
 from shmbuf.reclaim import remove_dead_segments
-from shmbuf.scan import SegmentInfo
+from shmbuf.scan import SegmentInfo, scan
 from shmbuf.storage import BufferStorage
 
 from .rate import Report
 from .sources import NodePool
 
 ADOPT_WAIT_S = 10.0  # how long a restarted host waits for its dead predecessor's lease to drop
+CONTROL = "control"  # the host's second thread: reports only (``NodeHost.report``)
 
 
 def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
@@ -50,26 +53,44 @@ def open_node_buffer(name: str, spec: Any, capacity: int, lanes: int,
         return buf, True
 
 
+def _of_prefix(prefix: str, info: SegmentInfo) -> bool:
+    """``info`` is a node buffer named with ``prefix``, or a pool's segment over one (a staging
+    ring's or priority table's layout names its buffer)."""
+    of = info.header.doc.get("buffer") if info.header is not None and \
+        isinstance(info.header.doc, dict) else None
+    return info.name.startswith(prefix) or (isinstance(of, str) and of.startswith(prefix))
+
+
 def remove_leaked_segments(prefix: str) -> list[str]:
-    """Unlink the dead-owner segments of ``prefix``: node buffers named with it, and the staging
-    rings and priority tables of pools over them (their layout names the buffer), each claimed
+    """Unlink the dead-owner segments of ``prefix`` in this machine's /dev/shm: node buffers
+    named with it, and the staging rings and priority tables of pools over them, each claimed
     first (``shmbuf.reclaim``, the mechanism a restarted learner's pool uses for its buffer)."""
+    return list(remove_dead_segments(functools.partial(_of_prefix, prefix)).names)
 
-    def of_prefix(info: SegmentInfo) -> bool:
-        of = info.header.doc.get("buffer") if info.header is not None and \
-            isinstance(info.header.doc, dict) else None
-        return info.name.startswith(prefix) or (isinstance(of, str) and of.startswith(prefix))
 
-    return list(remove_dead_segments(of_prefix).names)
+def sweep_segments(prefix: str, wait_s: float = 0.0) -> tuple[list[str], list[str]]:
+    """``remove_leaked_segments(prefix)`` on this machine, again every 0.1 s for up to
+    ``wait_s`` while segments of ``prefix`` are left (owners still exiting, e.g. a host that
+    ``ray.kill`` was sent to). Returns ``(removed, left)``; run on each node as a Ray task."""
+    deadline = time.monotonic() + wait_s
+    removed = remove_leaked_segments(prefix)
+    while True:
+        left = [i.name for i in scan() if _of_prefix(prefix, i)]
+        if not left or time.monotonic() >= deadline:
+            return removed, left
+        time.sleep(0.1)
+        removed += remove_leaked_segments(prefix)
 
 
 class NodeHost:
     """Runs on one Ray node (node affinity): creates or re-adopts the node's ``ReplayBuffer``
     and serves its rows to learners elsewhere, one ``NodePool`` per learner's sampler.
 
-    Concurrency: a Ray actor handles one call at a time, so a pool's batch is still held when
-    its reply is serialised into the object store (before the next call runs). Writers on the
-    node attach to the buffer by name and never talk to the host; if the host dies, they go on
+    Concurrency: the actor handles one call at a time (its default concurrency group), so a
+    pool's batch is still held when its reply is serialised into the object store (before the
+    next call runs); only ``report`` runs beside it, in the ``CONTROL`` group's thread, and
+    touches nothing but the node's ``NodeLimit`` (which takes a lock). Writers on the node
+    attach to the buffer by name and never talk to the host; if the host dies, they go on
     writing, and its restart re-adopts the segment (``BufferStorage.adopt``) with their rows.
     """
 
@@ -82,8 +103,6 @@ class NodeHost:
     # -- what the cluster asks ------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Where this host runs and what its buffer holds."""
-        import ray
-
         buf = self.buffer
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "name": buf.name, "adopted": self.adopted, "size": len(buf),
@@ -110,6 +129,15 @@ class NodeHost:
             return {"rows": 0, "missing": True, "pid": os.getpid()}
         pool.report(report)
         return pool.next_reply(wait_s)
+
+    @ray.method(concurrency_group=CONTROL)
+    def report(self, pool_id: str, report: Report) -> None:
+        """Set the node's rate limit from the learner's ``report`` now, beside a ``fetch`` that
+        waits for rows (this method has a thread of its own: ``CONTROL``); a report older
+        than one applied already is ignored."""
+        pool = self.pools.get(pool_id)
+        if pool is not None:
+            pool.report(report)
 
     def counts(self, pool_id: str, report: Report | None = None) -> dict[str, Any]:
         """The pool's node counts (for the split), without rows; ``report`` as in ``fetch``."""

@@ -14,13 +14,14 @@ import ray
 from shmbuf import Spec, segment
 from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.errors import ClosedError
-from shmbuf.scan import scan
 
 from ..supervise import refuse_main_reimport
 from .actors import ClusterActors
-from .host import NodeHost, remove_leaked_segments
+from .host import CONTROL, NodeHost, remove_leaked_segments, sweep_segments
 from .nodes import NAME_PREFIX, ClusterClient, alive_node_ids, detach_all, on_node
 from .sampler import ClusterSampler
+
+_sweep_task: Any = ray.remote(num_cpus=0, max_retries=0)(sweep_segments)
 
 
 class ReplayCluster(ClusterClient):
@@ -32,7 +33,8 @@ class ReplayCluster(ClusterClient):
         lanes_per_node: lanes (concurrent writers) on each node.
         nodes: Ray node ids to host a buffer on (default: every live node).
         name: a tag in the segment names (default random); segment names are
-            ``shmbuf-ray-<tag>-<node id>``, since nodes may share a machine's /dev/shm.
+            ``shmbuf-ray-<tag>-<node id>``, since nodes may share a machine's /dev/shm (each
+            node's buffer is only ever opened on its own node).
         host_restarts: how many times Ray restarts a dead host (it re-adopts the segment).
         timeout: seconds to wait for the hosts to start.
         buffer_kwargs: passed to ``ReplayBuffer.create`` (``next_obs``, ``episode_spec``, ...).
@@ -74,7 +76,7 @@ class ReplayCluster(ClusterClient):
                 f"nodes must list distinct live Ray node ids; got {nodes!r} (not alive: "
                 f"{missing}). Live nodes: {alive}")
         self.tag = name if name is not None else secrets.token_hex(4)
-        names = {n: segment.normalize_name(f"{NAME_PREFIX}{self.tag}-{n[:16]}") for n in nodes}
+        names = {n: self._segment_name(n) for n in nodes}
         super().__init__(names, spec)
         self.hosts: dict[str, Any] = {}
         self.host_restarts = host_restarts
@@ -82,18 +84,66 @@ class ReplayCluster(ClusterClient):
         self._groups: list[ClusterActors] = []
         self._closed = False
         self._dropped = 0  # hosts killed by drop_node
-        host_cls = ray.remote(NodeHost)
+        self._all_nodes = list(nodes)  # every node a host ran on (close sweeps them)
+        # (concurrency groups are fixed with the class: .options() cannot set them)
+        self._host_cls = ray.remote(concurrency_groups={CONTROL: 1})(NodeHost)  # type: ignore[call-overload]
+        self._buffer_kwargs = buffer_kwargs
         try:
             for node in nodes:
-                self.hosts[node] = host_cls.options(
-                    num_cpus=0, max_restarts=host_restarts, max_task_retries=0,
-                    **on_node(node)).remote(names[node], spec, self.capacity_per_node,
-                                            self.lanes_per_node, buffer_kwargs)
+                self.hosts[node] = self._start_host(node)
             infos = ray.get([h.info.remote() for h in self.hosts.values()], timeout=wait)
         except BaseException:
             self.close(timeout=5.0)
             raise
         self.adopted = {i["node_id"]: i["adopted"] for i in infos}
+
+    def _segment_name(self, node: str) -> str:
+        return segment.normalize_name(f"{NAME_PREFIX}{self.tag}-{node[:16]}")
+
+    def _start_host(self, node: str) -> Any:
+        return self._host_cls.options(
+            num_cpus=0, max_restarts=self.host_restarts, max_task_retries=0,
+            **on_node(node)).remote(self._segment_name(node), self.spec, self.capacity_per_node,
+                                    self.lanes_per_node, self._buffer_kwargs)
+
+    def add_node(self, node_id: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Take in a Ray node that joined after the cluster was made, e.g. a machine that came
+        back (a new Ray node id, an empty /dev/shm): a host starts there with a new buffer (or
+        re-adopts one a dead host of this cluster left there), and every open sampler of the
+        cluster draws from it from its next batch on (``ClusterSampler.add_node``). It is a
+        call, never automatic: a cluster does not take nodes it was not given. Start actors
+        there with ``cluster.actors(fn, nodes=[node_id])``. Returns the host's ``info()``.
+
+        Raises:
+            ValueError: ``node_id`` is not a live Ray node, or has a host of this cluster.
+            ClosedError: the cluster is closed.
+            ray.exceptions.GetTimeoutError: the host did not start within ``timeout``.
+        """
+        self._check_open()
+        wait = timeout_seconds("timeout", timeout)
+        alive = alive_node_ids()
+        if node_id not in alive or node_id in self.hosts:
+            raise ValueError(
+                f"node_id must be a live Ray node without a host of this cluster; got "
+                f"{node_id!r} ({'has a host' if node_id in self.hosts else 'not alive'}). "
+                f"Live nodes without one: {[n for n in alive if n not in self.hosts]}")
+        host = self._start_host(node_id)
+        try:
+            info = ray.get(host.info.remote(), timeout=wait)
+        except BaseException:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # noqa: BLE001 - never started
+                pass
+            raise
+        self.hosts[node_id] = host
+        self.buffer_names[node_id] = self._segment_name(node_id)
+        self._all_nodes.append(node_id)
+        self.adopted[node_id] = info["adopted"]
+        for sampler in self._samplers:
+            if not sampler.closed:
+                sampler.add_node(node_id)
+        return info
 
     # -- learner side ------------------------------------------------------------------------------
     def sampler(self, batch_size: int, **kwargs: Any) -> Any:
@@ -129,7 +179,7 @@ class ReplayCluster(ClusterClient):
         host = self.hosts.pop(node_id, None)
         self.buffer_names.pop(node_id, None)
         if host is not None:
-            self._dropped += 1  # close() waits for its segments (a node alive on this machine)
+            self._dropped += 1  # close() waits for its segments (on a node still alive)
             try:
                 ray.kill(host, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -142,8 +192,7 @@ class ReplayCluster(ClusterClient):
 
     def close(self, timeout: float = 10.0) -> None:
         """Close samplers, then every host (each unlinks its node's buffer), then remove what
-        hosts of this cluster leaked on this machine (nodes that died with their segments).
-        Idempotent."""
+        hosts of this cluster leaked on each live node (``remove_leaked``). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -167,24 +216,38 @@ class ReplayCluster(ClusterClient):
             except Exception:  # noqa: BLE001
                 pass
         detach_all(f"{NAME_PREFIX}{self.tag}-")
-        self.remove_leaked()
         # A host killed above (it did not close in time) or dropped by a sampler leaves its
-        # segments once its process has exited, which ray.kill does not wait for: remove them
-        # then, within the timeout (on a lost machine they went with it).
-        while ((unclosed or self._dropped) and self._segments_here()
-               and time.monotonic() < deadline + timeout):
-            time.sleep(0.1)
-            self.remove_leaked()
+        # segments on its node once its process has exited, which ray.kill does not wait for:
+        # each node that is still alive removes them there, within the timeout (a lost
+        # machine's went with it). Only a node can see its own /dev/shm.
+        wait = timeout if unclosed or self._dropped else 0.0
+        self.remove_leaked(wait_s=wait, timeout=wait + timeout)
 
-    def _segments_here(self) -> list[str]:
-        """This cluster's node buffers in this machine's /dev/shm."""
+    def remove_leaked(self, wait_s: float = 0.0, timeout: float = 30.0) -> list[str]:
+        """Unlink what dead hosts of this cluster left (a node's buffer and pools, when its
+        host died holding them): a Ray task on every live node this cluster has had a host on
+        sweeps that node's /dev/shm (waiting up to ``wait_s`` for owners still exiting), and
+        this process sweeps its own machine's. Returns the names removed; a node that does
+        not answer within ``timeout`` is skipped with a ``RuntimeWarning``."""
         prefix = f"{NAME_PREFIX}{self.tag}-"
-        return [i.name for i in scan() if i.name.startswith(prefix)]
-
-    def remove_leaked(self) -> list[str]:
-        """Unlink what dead hosts of this cluster left on this machine (a node removed while its
-        host held its buffer and pools). Only this machine's /dev/shm is visible here."""
-        return remove_leaked_segments(f"{NAME_PREFIX}{self.tag}-")
+        alive = set(alive_node_ids())
+        refs = {n: _sweep_task.options(**on_node(n)).remote(prefix, wait_s)
+                for n in self._all_nodes if n in alive}
+        removed = remove_leaked_segments(prefix)
+        deadline = time.monotonic() + timeout
+        for node, ref in refs.items():
+            try:
+                got, left = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - a node lost meanwhile, or too slow
+                warnings.warn(f"could not sweep node {node[:12]}'s /dev/shm: "
+                              f"{type(e).__name__}", RuntimeWarning, stacklevel=2)
+                continue
+            removed += got
+            if left:
+                warnings.warn(f"segments of this cluster left on node {node[:12]} (owners "
+                              f"still alive after {wait_s}s): {left}", RuntimeWarning,
+                              stacklevel=2)
+        return sorted(set(removed))
 
     def __enter__(self) -> ReplayCluster:
         return self

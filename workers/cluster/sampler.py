@@ -17,12 +17,14 @@ batch's rows sit at random positions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 import time
 import warnings
 from typing import Any
 
 import numpy as np
+import ray
 
 from shmbuf.checks import positive_int, timeout_seconds
 from shmbuf.errors import ClosedError, RateLimitTimeout, Timeout
@@ -32,8 +34,8 @@ from ..config import Workers, legacy_options
 from ..errors import NodeLostError, NodeLostWarning
 from ..selection import Prioritized, Queue, SelectionSpec, Uniform, selection_spec
 from .batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
-from .rate import Report, node_report
-from .sources import Chunk, NodeLost, open_sources
+from .rate import Report, RoomShares, cluster_report
+from .sources import Chunk, NodeLost, make_source, node_seed, open_sources
 
 CALL_BYTES = 16 << 20  # default rows per remote call: about this many bytes,
 CALL_BATCHES = 64  # and at most this many batches' rows
@@ -101,10 +103,12 @@ class ClusterSampler:
         self._closed = False
         self._held: ClusterBatch | None = None
         self._sources: list[Any] = []  # None once a node is dropped
+        self._shares = RoomShares(self.limit, n) if self.limit is not None else None
+        self._opening = (pool_kwargs, seed, positive_int("prefetch_calls", prefetch_calls),
+                         wait_s)  # for a node added later (add_node)
         try:
             open_sources(cluster, self._sources, self.pool_id, pool_kwargs, seed,
-                         positive_int("prefetch_calls", prefetch_calls), wait_s, self.timeout,
-                         self.limit, self._report)
+                         self._opening[2], wait_s, self.timeout, self.limit, self._report)
         except BaseException:
             self.close()
             raise
@@ -172,8 +176,12 @@ class ClusterSampler:
             sizes, weights = counts[:, 0], counts[:, 2]
             total, inserts = int(sizes.sum()), int(counts[:, 1].sum())
             ok = total >= self.min_size and weights.sum() > 0
-            if ok and self.limit is not None:
+            if ok and self.limit is not None and self._shares is not None:
                 ok = self.limit.can_sample(inserts, int(self.rows_from.sum()), self.batch_size)
+                if ok:
+                    self._shares.sampled()
+                else:
+                    self._shares.held_back(inserts)
             if ok:
                 return self._rng.multinomial(self.batch_size, weights / weights.sum())
             if time.monotonic() >= deadline:
@@ -184,8 +192,21 @@ class ClusterSampler:
             self._poll_all()
 
     def _report(self, k: int) -> Report | None:
-        """What node k's writers are held to, sent with every call to it (``rate``)."""
-        return node_report(self.limit, self._sources, k, int(self.rows_from.sum()))
+        """What node k's writers are held to, sent with every call to it (``rate``): its share
+        of the cluster's room (``RoomShares``). Sources not opened yet count no rows."""
+        if self._shares is None:
+            return None
+        committed: list[int | None] = [None if src is None else src.committed()
+                                       for src in self._sources]
+        samples = int(self.rows_from.sum())
+        n = max(len(self.node_ids), k + 1)
+        if len(committed) < n or not all(src is None or src.known for src in self._sources):
+            # A node whose rows are not known yet (its pool is opening): the plain report,
+            # every node may use all of the room; the split starts once every count is in.
+            rows = [c or 0 for c in committed] + [0] * (n - len(committed))
+            return cluster_report(rows, k, samples)
+        self._shares.update(committed, samples)
+        return self._shares.report(committed, k, samples)
 
     def _poll_all(self, pause: float = 0.005) -> None:
         """Take in every node's replies and counts, then sleep ``pause`` s (counted as waiting).
@@ -297,6 +318,36 @@ class ClusterSampler:
             lanes, nodes = self._out.lanes, self._out.nodes
         return self._priorities.send(indices, priorities, lanes, nodes)
 
+    # -- nodes joining -------------------------------------------------------------------------------
+    def add_node(self, node_id: str) -> int:
+        """Draw from ``node_id`` too (its host must run: ``ReplayCluster.add_node`` calls this
+        for every open sampler); its rows count from the next batch on, on both sides of the
+        limit. Returns the node's index in ``node_ids`` (and ``batch.nodes``)."""
+        if self._closed:
+            raise ClosedError("the ClusterSampler is closed")
+        if node_id in self.node_ids and self._sources[self.node_ids.index(node_id)] is not None:
+            raise ValueError(f"node {node_id[:12]} is sampled already")
+        k = len(self.node_ids)
+        pool_kwargs, seed, depth, wait_s = self._opening
+        src = make_source(self._cluster, node_id, self.pool_id, pool_kwargs, node_seed(seed, k),
+                          depth, wait_s, self.limit, functools.partial(self._report, k))
+        try:
+            if src.remote:
+                src.started(ray.get(src.opened, timeout=self.timeout))
+        except BaseException:
+            src.close()
+            raise
+        self.node_ids.append(node_id)
+        self._sources.append(src)
+        self._current.append(None)
+        self.rows_from = np.append(self.rows_from, 0)
+        self._queue.add_node()
+        return k
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- dropping nodes, releasing -------------------------------------------------------------------
     def _drop(self, k: int, why: str) -> None:
         """Stop sampling node k (``node_ids`` keep their order: ``batch.nodes`` stay valid)."""
@@ -359,7 +410,8 @@ def _stats(s: ClusterSampler) -> dict[str, Any]:
             "learner_wait_per_batch_s": wait / max(s.batches, 1),
             "nodes": nodes, "dropped": list(s.dropped), "elapsed_s": elapsed,
             "priority_updates_sent": s._priorities.sent,
-            "queue_gaps": s._queue.gaps, "queue_repeats": s._queue.repeats}
+            "queue_gaps": s._queue.gaps, "queue_repeats": s._queue.repeats,
+            "room_pooled": s._shares.pooled if s._shares is not None else 0}
 
 
 _SAMPLER_OF = {Uniform: "uniform", Prioritized: "prioritized", Queue: "queue"}

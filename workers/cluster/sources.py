@@ -31,6 +31,7 @@ _NO_ROWS = np.empty(0, np.int64)
 _NO_PRIORITIES = np.empty(0, np.float64)
 STALL_S = 20.0  # a call unanswered this long (beyond its own wait) means a host in trouble
 COUNTS_EVERY_S = 0.02  # how often a remote node's counts are asked for between its replies
+REPORT_EVERY_S = 0.01  # how often a remote node's rate limit is set beside its fetches
 
 
 class NodePool:
@@ -141,6 +142,7 @@ class LocalSource:
     """The learner's own node: a ``NodePool`` in this process (rows through shared memory)."""
 
     remote = False
+    known = True  # its counts are read live
 
     def __init__(self, node_id: str, buffer_name: str, pool_kwargs: dict[str, Any],
                  limit: RateLimit | None, report: Callable[[], Report | None]) -> None:
@@ -198,7 +200,14 @@ class RemoteSource:
         self.pid: int | None = None
         self.counting: Any = None  # a counts() call in flight
         self.counted = 0.0
+        self.reporting: Any = None  # a report() call in flight (one at a time)
+        self.reported = 0.0
         self.opened = host.open_pool.remote(pool_id, pool_kwargs, limit, report())
+
+    @property
+    def known(self) -> bool:
+        """True once the node's counts came in (its pool opened)."""
+        return self.pid is not None
 
     def started(self, info: dict[str, Any]) -> None:
         """The host opened the pool (``info``: its ``open_pool`` answer): start fetching."""
@@ -233,14 +242,29 @@ class RemoteSource:
                 ref, self.counting = self.counting, None
                 try:
                     c = ray.get(ref, timeout=10.0)
-                except ray.exceptions.RayError:
-                    c = None  # a dead host: the fetches in flight tell
+                except ray.exceptions.RayError:  # a dead host: with no fetch in flight to
+                    self.recover()  # tell, this is where it is found (restarted, or lost)
+                    return
                 if c is not None and c.get("pid") == self.pid and "size" in c:
                     self.last.update({k: c[k] for k in self.last})
                     self.counted = now
         elif now - self.counted > COUNTS_EVERY_S and not self.inflight:  # (a reply has them)
             self.counting = self.host.counts.remote(self.pool_id, self.report())
+        self.send_report(now)
         self.refill()
+
+    def send_report(self, now: float) -> None:
+        """With a limit, set the node's limit now and then by a call of its own, which the
+        host runs beside the fetch it is waiting in (a fetch's report was made when the call
+        was, a few calls ago). One in flight at a time."""
+        if self.limit is None or now - self.reported < REPORT_EVERY_S:
+            return
+        if self.reporting is not None:
+            done, _ = ray.wait([self.reporting], timeout=0)
+            if not done:
+                return
+        self.reported = now
+        self.reporting = self.host.report.remote(self.pool_id, self.report())
 
     def next_chunk(self, wait: float) -> Chunk | None:
         if not self.ready:
@@ -280,7 +304,7 @@ class RemoteSource:
         the node or the host is gone for good, raise ``NodeLost``."""
         self.inflight.clear()
         self.sent.clear()
-        self.counting = None
+        self.counting = self.reporting = None
         if not node_alive(self.node_id):
             raise NodeLost(self.node_id, f"node {self.node_id[:12]} is gone")
         try:
@@ -310,6 +334,22 @@ class RemoteSource:
             pass
 
 
+def node_seed(seed: int | None, k: int) -> np.random.SeedSequence:
+    """Node k's pool seed: apart from every other node's and from the split's (child 0)."""
+    return np.random.SeedSequence(seed).spawn(k + 2)[k + 1]
+
+
+def make_source(cluster: Any, node: str, pool_id: str, pool_kwargs: dict[str, Any],
+                seed: np.random.SeedSequence, depth: int, wait: float,
+                limit: RateLimit | None, report: Callable[[], Report | None]) -> Any:
+    """A source for ``node``: local for this process's node, remote for the others (a remote
+    one's pool is opening: ``ray.get(src.opened)``, then ``src.started(info)``)."""
+    kw = dict(pool_kwargs, seed=seed)
+    if node == current_node_id():
+        return LocalSource(node, cluster.buffer_names[node], kw, limit, report)
+    return RemoteSource(node, cluster.hosts[node], pool_id, kw, depth, wait, limit, report)
+
+
 def open_sources(cluster: Any, sources: list[Any], pool_id: str, pool_kwargs: dict[str, Any],
                  seed: int | None, depth: int, wait: float, timeout: float,
                  limit: RateLimit | None, report: Callable[[int], Report | None]) -> None:
@@ -317,20 +357,12 @@ def open_sources(cluster: Any, sources: list[Any], pool_id: str, pool_kwargs: di
     remote for the others, each pool seeded apart) and wait for the hosts' pools to open.
     With a ``limit``, each node's writers are held to it by the counts ``report(k)`` gives for
     node k, sent with every call."""
-    seeds = np.random.SeedSequence(seed).spawn(len(cluster.node_ids) + 1)[1:]
-    here = current_node_id()
-    for k, (node, seed_k) in enumerate(zip(cluster.node_ids, seeds)):
-        kw = dict(pool_kwargs, seed=seed_k)
-        node_report = functools.partial(report, k)
-        if node == here:
-            sources.append(LocalSource(node, cluster.buffer_names[node], kw, limit, node_report))
-        else:
-            sources.append(RemoteSource(node, cluster.hosts[node], pool_id, kw, depth, wait,
-                                        limit, node_report))
+    for k, node in enumerate(cluster.node_ids):
+        sources.append(make_source(cluster, node, pool_id, pool_kwargs, node_seed(seed, k),
+                                   depth, wait, limit, functools.partial(report, k)))
     remote = [s for s in sources if s.remote]
     infos = ray.get([s.opened for s in remote], timeout=timeout)
     for src, info in zip(remote, infos):  # every node's counts first: the first reports use them
         src.last.update({k: info[k] for k in src.last})
     for src, info in zip(remote, infos):
         src.started(info)
-

@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-nodes", type=int, default=None, metavar="N",
                    help="run across N local Ray nodes (ray.cluster_utils.Cluster): --actors "
                         "and --workers are per node; needs pip install 'shmbuf[ray]'")
+    p.add_argument("--isolated", action="store_true",
+                   help="with --ray-nodes: each node in its own network namespace and "
+                        "/dev/shm, the learner in the head's (needs root; "
+                        "workers.cluster.netns)")
 
 
 def register(subparsers: Any) -> None:

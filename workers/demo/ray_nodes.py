@@ -2,12 +2,18 @@
 (``ray.cluster_utils.Cluster``): actors on every node write their node's buffer, the learner
 samples the union through ``ReplayCluster.sampler``. Same live line as the demo, plus one
 column per node (its inserts/s and its share of the rows sampled).
+
+With ``--isolated`` the nodes share nothing but the filesystem (``workers.cluster.netns``: a
+network namespace, /dev/shm and host name each; root only): this process makes them and runs
+the demo again inside the head node, which connects to them instead of starting a cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -39,6 +45,39 @@ def start_local_cluster(n_nodes: int) -> Any:
     return cluster
 
 
+def run_isolated(args: argparse.Namespace) -> int:
+    """Make ``args.ray_nodes`` isolated nodes, run the demo (these ``args``) inside the head
+    node, and remove the nodes; the inner demo's exit status."""
+    from ..cluster import netns
+
+    n = args.ray_nodes
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"--isolated: {reason}")
+    argv = [sys.executable, "-m", "workers.demo", *_argv_of(args)]
+    shm = max(256 << 20, shm_free_bytes() // max(n, 1))  # the nodes share this machine's RAM
+    print(f"starting {n} isolated Ray nodes (a network namespace, /dev/shm of "
+          f"{fmt_bytes(shm)} and host name each; the learner runs in the head's)", flush=True)
+    with netns.IsolatedNodes(n, shm_size=str(shm), num_cpus=NODE_CPUS,
+                             object_store_memory=OBJECT_STORE_BYTES) as nodes:
+        return subprocess.run(nodes.learner_command(argv), env=nodes.learner_env()).returncode
+
+
+_NOT_OPTIONS = {"command", "func"}  # what the shmbuf CLI adds to the demo's options
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    """The demo's command line for ``args`` (every option ``--name value``; a flag if True;
+    left out if None or False)."""
+    out: list[str] = []
+    for name, value in sorted(vars(args).items()):
+        if name in _NOT_OPTIONS or value is None or value is False or callable(value):
+            continue
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
 def node_columns(stats: dict[str, Any], last: dict[str, tuple[int, int]], dt: float) -> str:
     """``a1b2c3 12,345/s 33%`` per node (``here`` for the learner's): inserts/s and the share of
     the rows sampled since the ``last`` line."""
@@ -66,24 +105,35 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
         import ray
     except ImportError:
         raise SystemExit("--ray-nodes needs Ray: pip install 'shmbuf[ray]'") from None
-    from ..cluster import ReplayCluster, current_node_id
+    from ..cluster import ReplayCluster, current_node_id, netns
 
     n = args.ray_nodes
     if n < 1:
         raise SystemExit(f"--ray-nodes must be >= 1, got {n}")
+    isolated = bool(getattr(args, "isolated", False))
+    if isolated and not netns.inside():
+        return run_isolated(args)
     lanes = args.actors
-    if args.capacity is None:  # the nodes share this machine's /dev/shm
+    if args.capacity is None:  # local nodes share this machine's /dev/shm; isolated ones not
+        share = 1 if isolated else n
         capacity = max(4 * args.batch_size, min(
-            capacity, (shm_free_bytes() // 4) // (spec.row_nbytes * lanes * n)))
+            capacity, (shm_free_bytes() // 4) // (spec.row_nbytes * lanes * share)))
     batch_bytes = spec.row_nbytes * args.batch_size
     limit = limits(args, capacity * lanes * n)
-    print(f"shmbuf demo on Ray: {n} local nodes x {args.actors} actors, {args.workers} sampler "
+    kind = "isolated" if isolated else "local"
+    print(f"shmbuf demo on Ray: {n} {kind} nodes x {args.actors} actors, {args.workers} sampler "
           f"workers per node, {args.env or 'synthetic Atari'} frames, batch {args.batch_size} "
           f"({fmt_bytes(batch_bytes)}), {lanes} lanes x {capacity} per node "
           f"({fmt_bytes(spec.row_nbytes * capacity * lanes * n)} of /dev/shm in all), "
           f"{args.seconds:g} s", flush=True)
     t0 = time.monotonic()
-    local = start_local_cluster(n)
+    local = None
+    if isolated:
+        desc = netns.connect(logging_level=logging.WARNING)
+        if sum(1 for node in desc["nodes"] if node["node_id"]) != n:
+            raise SystemExit(f"the isolated cluster runs {len(desc['nodes'])} nodes, not {n}")
+    else:
+        local = start_local_cluster(n)
     batches = 0
     try:
         with ReplayCluster(spec, capacity, lanes) as cluster:
@@ -124,5 +174,6 @@ def run_ray(args: argparse.Namespace, spec: Any, actor_fn: Callable[[Any], None]
               f"{', '.join(str(x['rows_sampled']) for x in st['nodes'])}")
     finally:
         ray.shutdown()
-        local.shutdown()
+        if local is not None:
+            local.shutdown()
     return 0

@@ -30,8 +30,12 @@ class Prioritized(SelectionSpec):
         eta: sequences' ``[B, T]`` priorities become ``eta * max + (1 - eta) * mean`` per
             window (R2D2).
 
-    A learner restarted on the same buffer takes over the priority table its dead predecessor
-    left, if it was made with the same alpha, eps, eta and plan.
+    New rows enter at the largest priority seen so far, or, in a buffer created with
+    ``actor_priorities=True``, at the priority their writer gave with them
+    (``extend(rows, priorities=ps)``: Ape-X), clipped to what the tree can sum
+    (``stats()["actor_priorities_clipped"]``). A learner restarted on the same buffer takes
+    over the priority table its dead predecessor left, if it was made with the same alpha,
+    eps, eta and plan.
 
     Example:
         >>> SamplerPool(buf, 256, selection=Prioritized(alpha=0.6, beta=(0.4, 1.0, 100_000)))
@@ -108,7 +112,7 @@ class PrioritizedSelection(Selection):
         return self.table
 
     def enter_new_rows(self) -> None:
-        self.table.sync(self.buf)  # new rows enter at the maximum priority
+        self.table.sync(self.buf)  # at their actor priorities, or else the maximum priority
 
     def update(self, lanes: Any, indices: Any, priorities: Any) -> int:
         # An update for a row overwritten since it was sampled is dropped (told by the window);
