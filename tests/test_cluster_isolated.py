@@ -1,5 +1,5 @@
 """The cluster tests on Ray nodes that share nothing: each node in its own network namespace
-(one address on a bridge, no default route), mount namespace (its own /dev/shm and /tmp) and
+(one address on a bridge, no default route), mount namespace (its own /dev/shm and /tmp/ray) and
 host name (``workers.cluster.netns``), the learner inside the head node. Each module of
 ``ISOLATED_MODULES`` runs in a pytest of its own inside the head node (those modules skip their
 tests in this run: nothing runs twice), and afterwards every node's own /dev/shm must be empty.

@@ -71,7 +71,7 @@ def make_nodes(n_nodes: int = 3, spare: int = SPARE_NODES, **kwargs: Any) -> net
 def run_module(nodes: netns.IsolatedNodes, module: str, timeout: float,
                extra: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the Ray tests of ``module`` (``-m ray``: the others ran outside) in a pytest inside
-    the head node (its network, /dev/shm and /tmp); what it printed and its exit status."""
+    the head node (its network, /dev/shm and /tmp/ray); what it printed and its exit status."""
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "-m", "ray",
             "--shm-guard=strict", module, *(extra or [])]
     try:

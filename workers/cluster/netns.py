@@ -1,13 +1,14 @@
 """Ray nodes on one machine that share nothing a second machine would not share: each node runs
 in its own network namespace (a veth pair on a bridge made for the purpose, one private address,
-no default route), mount namespace (its own /dev/shm and /tmp, both fresh tmpfs) and host name.
+no default route), mount namespace (its own /dev/shm and Ray's /tmp/ray, both fresh tmpfs; the rest of /tmp
+is the machine's, so a checkout or venv under /tmp stays visible) and host name.
 For tests, the demo and the benchmarks of ``workers.cluster`` (``IsolatedNodes``); needs root.
 
 What a node is here: a *keeper* process (``sleep``) holds the node's namespaces; ``ray start``
 and every process of the node run in them (``nsenter -t <keeper>``). The learner runs in the
 head node's namespaces too (``learner_command``): Python has no ``os.setns`` before 3.12, so it
 is a process of its own. Losing a node kills every process in its network namespace but the
-keeper; ``start_node`` brings it back as a new Ray node (new id, empty /dev/shm and /tmp).
+keeper; ``start_node`` brings it back as a new Ray node (new id, empty /dev/shm and /tmp/ray).
 
 Traffic: the namespaces reach only each other's addresses on the bridge (which has no address
 of its own) and their own loopback; nothing routes elsewhere, ``/etc/resolv.conf`` is empty
@@ -360,7 +361,7 @@ class IsolatedNodes:
 
     def kill_node(self, k: int, timeout: float = 30.0) -> list[int]:
         """Lose node ``k``: SIGKILL every process in its network namespace but the keeper, then
-        give it a fresh /dev/shm and /tmp (a machine that went down). The pids killed."""
+        give it a fresh /dev/shm and /tmp/ray (a machine that went down). The pids killed."""
         node = self.nodes[k]
         keep = {node.keeper}
         pids = [p for p in pids_in_netns(node.keeper) if p not in keep]
@@ -369,7 +370,7 @@ class IsolatedNodes:
         if left:
             raise IsolatedNodesError(f"processes of node {k} still alive after SIGKILL: {left}")
         _run(["nsenter", "-t", str(node.keeper), "-m", "--", "sh", "-c",
-              f"umount -l /dev/shm && umount -l /tmp && "
+              f"umount -l /dev/shm && umount -l /tmp/ray && "
               f"{_fresh_mounts(self.shm_size, self.tmp_size)}"], f"reset node {k}'s tmpfs")
         node.node_id = ""
         return pids
@@ -418,7 +419,8 @@ class IsolatedNodes:
 
 def _fresh_mounts(shm_size: str, tmp_size: str) -> str:
     return (f"mount -t tmpfs -o size={shm_size},mode=1777 shmbuf-node-shm /dev/shm && "
-            f"mount -t tmpfs -o size={tmp_size},mode=1777 shmbuf-node-tmp /tmp")
+            f"mkdir -p /tmp/ray && "
+            f"mount -t tmpfs -o size={tmp_size},mode=1777 shmbuf-node-tmp /tmp/ray")
 
 
 def _kill_by_netns(netns: str) -> None:
