@@ -44,7 +44,9 @@ def test_the_quickstart_runs_as_a_script(tmp_path: Path, own_shm_entries):
 @pytest.mark.timeout(120)
 def test_the_pool_example_runs_on_a_filled_buffer(tmp_path: Path, own_shm_entries):
     """The selection/limit/plan example, with the ``buf`` and ``td_errors`` it assumes: a buffer
-    of episodes (fields the plan needs) filled past the rate limit's ``min_size``."""
+    of episodes (fields the plan needs) filled past the rate limit's ``min_size``. The example
+    asks for ``output="torch"``: without the torch extra it is skipped."""
+    pytest.importorskip("torch")
     prelude = textwrap.dedent("""
         import numpy as np
         import shmbuf
