@@ -1,21 +1,13 @@
 """Deprecated: ``shmbuf.fill`` is ``shmbuf.imitation`` now; the old name stays for one
-release.
+release (``shmbuf.moved``).
 
 It held ``ImitationSurface``, a mixin of ``ReplayBuffer``: its methods are ``ReplayBuffer``'s
 own now, and ``check_data`` is in ``shmbuf.imitation``.
-
-Importing it warns once, with a ``DeprecationWarning`` naming the new path, and gives the new
-module itself (``sys.modules`` maps the old name to it), so every name, private ones and
-monkeypatches included, is the same object under both names.
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-
 from shmbuf import imitation as _new
+from shmbuf.moved import moved
 
-warnings.warn(f"{__name__} is deprecated and goes in the next release: import {_new.__name__}",
-              DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _new
+moved(__name__, _new)

@@ -246,13 +246,29 @@ class RowWriter:
 
 
 def bad_rows(batch: Any, lanes_per_node: int) -> np.ndarray:
-    """Rows of a ``ClusterBatch`` that are torn, stale, or not the (node, lane, index) drawn."""
-    rows = {k: np.asarray(batch[k]) for k in batch}
+    """Rows of a ``ClusterBatch`` that are torn, stale, or not the (node, lane, index) drawn
+    (``[B]``, or ``[B, T]``: every step of every window)."""
+    idx = np.asarray(batch.indices)
+    steps = idx.shape[1] if idx.ndim == 2 else 1
+    rows = {k: np.asarray(batch[k]) for k in batch if k in ROWS.fields}
+    rows = {k: v.reshape(idx.size, *v.shape[idx.ndim:]) for k, v in rows.items()}
     g = rows["lane"]
-    bad = ROWS.bad_rows(rows, indices=batch.indices)
-    bad |= (g // lanes_per_node) != batch.nodes
-    bad |= (g % lanes_per_node) != batch.lanes
-    return bad
+    bad = ROWS.bad_rows(rows, indices=idx.reshape(-1))
+    bad |= (g // lanes_per_node) != np.repeat(batch.nodes, steps)
+    bad |= (g % lanes_per_node) != np.repeat(batch.lanes, steps)
+    return bad.reshape(idx.shape)
+
+
+@ray.remote(num_cpus=0)
+def write_episodes(client: Any, node_index: int, n: int, episode: int) -> int:
+    """Rows 0 .. n-1 into lane 0 of this node's buffer (one lane per node), an episode ending
+    after every ``episode`` of them."""
+    with client.writer(lane=0, timeout=10.0) as w:
+        for first in range(0, n, episode):
+            w.extend(ROWS.batch(global_lane(node_index, 0, 1),
+                                np.arange(first, min(first + episode, n))))
+            w.end_episode()
+    return n
 
 
 def wait_for(pred: Any, timeout: float, what: str) -> None:

@@ -62,3 +62,14 @@ def test_demo_runs_on_isolated_nodes():
     assert subprocess.run(["ip", "netns", "list"], capture_output=True,
                           text=True).stdout == before
     assert not set(descendants(os.getpid())) - mine
+
+
+def test_isolated_without_ray_nodes_is_refused_before_anything_starts():
+    before = {i.name for i in segment_scan.scan()}
+    proc = subprocess.run([sys.executable, "-m", "workers.demo", "--isolated", "--seconds", "1"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--ray-nodes 3 --isolated" in proc.stderr
+    assert "shmbuf demo" not in proc.stdout  # nothing ran
+    assert {i.name for i in segment_scan.scan()} <= before

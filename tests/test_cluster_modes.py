@@ -1,8 +1,10 @@
-"""Prioritized and queue sampling across the nodes of a ``ReplayCluster`` (a 3-node Ray
+"""Prioritized, queue and epoch sampling across the nodes of a ``ReplayCluster`` (a 3-node Ray
 cluster, started once for the module; isolated nodes where root allows): draws in proportion to
 priorities over the union, with importance weights against the smallest priority of all nodes
-and updates routed to each row's node; the queue delivers every row of every node exactly
-once, through actor and host SIGKILLs.
+and updates routed to each row's node, for rows and for sequences' window starts (``[B, T]``
+updates reduced as on one machine); the queue delivers every row of every node exactly once,
+through actor and host SIGKILLs; epochs deliver every row of every node once per epoch, the
+nodes interleaved, in a seeded order, with each remainder dropped, short or carried.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import shmbuf  # noqa: E402
+from shmbuf.sampling import Plan  # noqa: E402
+from shmbuf.window_priority import reduce_windows  # noqa: E402
 from tests import cluster_procs as cp  # noqa: E402
 from tests._helpers.netns_cluster import local_unless_isolated  # noqa: E402
 from tests.test_prioritized import chi_square_p  # noqa: E402
 from workers.cluster import HostRestartedWarning, ReplayCluster  # noqa: E402
-from workers.selection import Prioritized, Queue  # noqa: E402
+from workers.cluster.batch import window_updates  # noqa: E402
+from workers.selection import Epoch, Prioritized, Queue  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300), local_unless_isolated]
 
@@ -133,3 +138,171 @@ def test_queue_delivers_every_row_of_every_node_exactly_once(nodes, kill):
     assert st["queue_gaps"] == 0
     if kill == "host":
         assert st["nodes"][2]["host_restarts"] == 1
+
+
+# -- epochs ---------------------------------------------------------------------------------------
+EPOCH_ROWS = [150, 90, 40]  # per node, one lane each: 280 rows, 8 whole batches of 32 and 24 over
+
+
+@pytest.fixture(scope="module")
+def epoch_cluster(nodes):
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=200, lanes_per_node=1,
+                       nodes=nodes) as cluster:
+        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, 1,
+                                                                     EPOCH_ROWS[k], 0)
+                 for k, n in enumerate(cluster.node_ids)], timeout=60)
+        yield cluster
+
+
+def epoch_rows(sampler, epochs: int, shapes: list | None = None) -> list[list[tuple[int, int]]]:
+    """The (node, index) of every row of the next ``epochs`` epochs, batch by batch checked:
+    whole, of the node it names, and of the epoch it says; each batch's (rows, ends_epoch)
+    appended to ``shapes`` per epoch."""
+    out = []
+    for e in range(epochs):
+        rows: list[tuple[int, int]] = []
+        sizes = []
+        for batch in sampler.epoch():
+            assert not cp.bad_rows(batch, 1).any()
+            assert batch.epoch == e
+            rows += list(zip(batch.nodes.tolist(), batch.indices.tolist()))
+            sizes.append((batch.batch_size, batch.ends_epoch))
+        out.append(rows)
+        if shapes is not None:
+            shapes.append(sizes)
+    return out
+
+
+def test_epochs_give_every_row_of_every_node_once_interleaved_and_seeded(epoch_cluster):
+    everything = {(k, i) for k, n in enumerate(EPOCH_ROWS) for i in range(n)}
+    orders = []
+    for _ in range(2):
+        shapes: list = []
+        with epoch_cluster.sampler(32, selection=Epoch(drop_last=False), seed=11,
+                                   workers=0) as sampler:
+            orders.append(epoch_rows(sampler, 2, shapes))
+            assert sampler.stats()["epoch_sizes"][-2:] == [sum(EPOCH_ROWS)] * 2
+        # 8 whole batches and a short last one, which ends the epoch
+        assert shapes == [[(32, False)] * 8 + [(sum(EPOCH_ROWS) % 32, True)]] * 2
+    first, second = orders[0]
+    for rows in (first, second):
+        assert len(rows) == len(set(rows)) == sum(EPOCH_ROWS)
+        assert set(rows) == everything
+    assert first != second  # each epoch its own order
+    assert orders[1] == orders[0]  # the same seed, the same epochs
+    # Interleaved: every node gives rows all through an epoch, not one node after another.
+    nodes = np.array([k for k, _ in first])
+    for k in range(3):
+        at = np.flatnonzero(nodes == k) / nodes.size
+        assert 0.35 < at.mean() < 0.65, (k, at.mean())
+        assert (nodes[:32] == k).any()
+
+
+@pytest.mark.parametrize("mode", ["drop", "carry"])
+def test_an_epochs_remainder_is_dropped_or_carried(epoch_cluster, mode):
+    total = sum(EPOCH_ROWS)
+    selection = Epoch() if mode == "drop" else Epoch(drop_last=False, carry_remainder=True)
+    with epoch_cluster.sampler(32, selection=selection, seed=5) as sampler:
+        if mode == "drop":
+            for rows in epoch_rows(sampler, 3):  # 8 whole batches; another 24 left out each
+                assert len(rows) == len(set(rows)) == total // 32 * 32
+            assert sampler.stats()["epoch_rows_dropped"] >= 2 * (total % 32)
+            return
+        seen: dict[tuple[int, int], int] = {}
+        ends = 0
+        for _ in range(total * 4 // 32):  # 4 epochs in 35 whole batches
+            batch = sampler.next()
+            assert batch.batch_size == 32 and not cp.bad_rows(batch, 1).any()
+            ends += batch.ends_epoch
+            for key in zip(batch.nodes.tolist(), batch.indices.tolist()):
+                seen[key] = seen.get(key, 0) + 1
+    assert ends == 4
+    assert len(seen) == total and set(seen.values()) == {4}
+
+
+def test_epoch_refuses_a_ratio_and_epoch_needs_an_epoch_selection(epoch_cluster):
+    from shmbuf import RateLimit, ShmbufError
+
+    with pytest.raises(ValueError, match="samples_per_insert"):
+        epoch_cluster.sampler(32, selection=Epoch(),
+                              limit=RateLimit(min_size=1, samples_per_insert=2.0))
+    with pytest.raises(ValueError, match="Queue.. delivers single"):
+        epoch_cluster.sampler(32, selection=Queue(), plan=Plan(sequence_length=4))
+    with epoch_cluster.sampler(32, seed=0, workers=0) as sampler:
+        with pytest.raises(ShmbufError, match="Epoch"):
+            sampler.epoch()
+
+
+# -- prioritized sequences ------------------------------------------------------------------------
+EPISODE = 10  # the sequence tests' rows: an episode ends after every 10 of a node's rows
+T = 4
+
+
+def test_prioritized_windows_over_the_union_with_b_t_updates(nodes):
+    rows_per_node = [200, 100, 50]
+    eta, beta = 0.9, 0.5
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=200, lanes_per_node=1,
+                       nodes=nodes) as cluster:
+        ray.get([cp.write_episodes.options(**cluster.on_node(n)).remote(
+            cluster, k, rows_per_node[k], EPISODE) for k, n in enumerate(cluster.node_ids)],
+            timeout=60)
+        with cluster.sampler(32, selection=Prioritized(alpha=1.0, beta=beta, eps=0.0, eta=eta),
+                             plan=Plan(sequence_length=T), rows_per_call=32, prefetch_calls=2,
+                             seed=3) as sampler:
+            batch = sampler.next()
+            assert batch.indices.shape == (32, T) and batch["payload"].shape[:2] == (32, T)
+            # Every usable start of every node (its window inside one episode) gets a priority
+            # given per step: the reduction keeps it in proportion to priority_of.
+            starts = [np.array([s for s in range(n - T + 1)
+                                if s // EPISODE == (s + T - 1) // EPISODE])
+                      for n in rows_per_node]
+            nd = np.concatenate([np.full(s.size, k) for k, s in enumerate(starts)])
+            st = np.concatenate(starts)
+            windows = st[:, None] + np.arange(T)
+            steps = priority_of(nd, st)[:, None] * np.linspace(0.5, 1.0, T)[None, :]
+            with pytest.raises(shmbuf.InvalidPriorityError):
+                sampler.update_priorities(windows, np.where(np.arange(T) == 2, np.nan, steps),
+                                          lanes=np.zeros_like(st), nodes=nd)
+            assert sampler.update_priorities(windows, steps, lanes=np.zeros_like(st),
+                                             nodes=nd) == st.size
+            value = reduce_windows(steps, eta)  # what each node's table holds per start
+            time.sleep(1.0)
+            for _ in range(30):  # batches drawn before the update was applied
+                sampler.next()
+            v_min = value.min()
+            cells = np.zeros((3, 3), np.int64)
+            for _ in range(200):
+                batch = sampler.next()
+                idx = batch.indices
+                assert not cp.bad_rows(batch, 1).any()
+                np.testing.assert_array_equal(idx - idx[:, :1], np.broadcast_to(np.arange(T),
+                                                                                idx.shape))
+                assert (idx // EPISODE == idx[:, :1] // EPISODE).all()  # never across an end
+                v = value[[int(np.flatnonzero((nd == k) & (st == s))[0])
+                           for k, s in zip(batch.nodes.tolist(), idx[:, 0].tolist())]]
+                fresh = np.isclose(batch.weights, (v / v_min) ** -beta, rtol=1e-5)
+                np.testing.assert_array_equal(batch.weights[~fresh], 1.0)  # prefetched earlier
+                np.add.at(cells, (batch.nodes[fresh], idx[fresh, 0] % 3), 1)
+    assert cells.sum() > 200 * 32 * 0.8, cells.sum()  # a few prefetched slots' worth stale
+    mass = np.array([[value[(nd == k) & (st % 3 == c)].sum() for c in range(3)]
+                     for k in range(3)])
+    assert chi_square_p(cells.ravel(), (mass / mass.sum()).ravel()) > 1e-4, cells
+
+
+def test_window_updates_reduce_per_window_and_refuse_bad_steps():
+    idx = np.arange(12).reshape(3, 4) + 100
+    prio = np.arange(12, dtype=float).reshape(3, 4)
+    starts, values = window_updates(idx, prio, None, 0.9)
+    np.testing.assert_array_equal(starts, [100, 104, 108])
+    np.testing.assert_allclose(values, 0.9 * prio.max(1) + 0.1 * prio.mean(1))
+    mask = np.arange(4)[None, :] < np.array([[1], [2], [4]])
+    bad = np.where(mask, prio, np.nan)  # NaN only in steps the mask leaves out: fine
+    _, masked = window_updates(idx, bad, mask, 0.9)
+    np.testing.assert_allclose(masked, reduce_windows(prio, 0.9, mask))
+    np.testing.assert_array_equal(window_updates(idx, prio[:, 0], None, 0.9)[1], prio[:, 0])
+    with pytest.raises(shmbuf.InvalidPriorityError):
+        window_updates(idx, -prio, None, 0.9)
+    with pytest.raises(ValueError, match="shape"):
+        window_updates(idx, prio[:, :3], None, 0.9)
+    with pytest.raises(ValueError, match="mask"):
+        window_updates(idx, prio[:, 0], mask, 0.9)

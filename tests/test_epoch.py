@@ -71,6 +71,19 @@ def test_each_row_once_per_epoch_in_process(buf):
         _check_epochs_with_drop_last(_rows(pool, 20))
 
 
+def test_epoch_size_is_what_the_epoch_began_with(buf):
+    with SamplerPool(buf, batch_size=B, selection=Epoch(), workers=0, seed=1) as pool:
+        batch = pool.next(timeout=30)
+        assert pool.epoch_size(batch.epoch) == sum(HELD)
+        with buf.writer(lane=1) as w:  # rows written now belong to the next epoch
+            w.extend({"obs": np.stack([np.full(5, 1), np.arange(HELD[1], HELD[1] + 5)], 1)})
+        while not pool.next(timeout=30).ends_epoch:
+            pass
+        assert pool.epoch_size(batch.epoch) == sum(HELD)
+        assert pool.epoch_size(pool.next(timeout=30).epoch) == sum(HELD) + 5
+        assert pool.epoch_size(99) is None
+
+
 def test_seeded_order_is_reproducible_and_random(buf):
     def order(seed: int, n_workers: int) -> list[list[tuple[int, int]]]:
         with SamplerPool(buf, batch_size=B, selection=Epoch(), workers=n_workers,

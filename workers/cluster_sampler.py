@@ -1,18 +1,10 @@
 """Deprecated: ``workers.cluster_sampler`` is ``workers.cluster.sampler`` now; the old name stays for one
-release.
-
-Importing it warns once, with a ``DeprecationWarning`` naming the new path, and gives the new
-module itself (``sys.modules`` maps the old name to it), so every name, private ones and
-monkeypatches included, is the same object under both names.
+release (``shmbuf.moved``).
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-
+from shmbuf.moved import moved
 from workers.cluster import sampler as _new
 
-warnings.warn(f"{__name__} is deprecated and goes in the next release: import {_new.__name__}",
-              DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _new
+moved(__name__, _new)

@@ -4,8 +4,8 @@ carry_remainder)``, ``epoch()``); the rows are chosen by ``EpochSelection``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from shmbuf.errors import ShmbufError
 
@@ -60,16 +60,32 @@ class EpochIteration:
         return self._epoch_batches(timeout)
 
     def _epoch_batches(self, timeout: float | None) -> Iterator[Batch]:
-        first = None
-        while True:
-            batch = self.next(timeout)
-            if first is None:
-                first = batch.epoch
-            elif batch.epoch is not None and first is not None and batch.epoch > first:
-                # The epoch's last batch was lost (its rows overwritten before they were
-                # gathered): this one begins the next epoch; the next ``next()`` returns it.
-                self._pending = batch
-                return
-            yield batch
-            if batch.ends_epoch:
-                return
+        return one_epoch(lambda: self.next(timeout), self._hold)
+
+    def _hold(self, batch: Batch) -> None:
+        self._pending = batch
+
+    def epoch_size(self, epoch: int) -> int | None:
+        """The rows (anchors) epoch ``epoch`` began with, while it is one of the last few
+        begun (``batch.epoch`` of a batch just taken is), else None. With ``drop_last`` its
+        batches hold ``size // batch_size`` of them; fewer where writers overwrote rows first."""
+        sizes = getattr(self._selection, "sizes", None)
+        return None if sizes is None else sizes.get(int(epoch))
+
+
+def one_epoch(next_batch: Callable[[], Any], hold: Callable[[Any], None]) -> Iterator[Any]:
+    """The batches ``next_batch()`` returns, from the next one to the one that ends its epoch
+    (``batch.ends_epoch``). A batch of a later epoch met first (the epoch's last batch was lost:
+    its rows overwritten before they were gathered) ends it too, given to ``hold`` for the next
+    ``next()``. (``SamplerPool.epoch`` and ``ClusterSampler.epoch``.)"""
+    first = None
+    while True:
+        batch = next_batch()
+        if first is None:
+            first = batch.epoch
+        elif batch.epoch is not None and first is not None and batch.epoch > first:
+            hold(batch)
+            return
+        yield batch
+        if batch.ends_epoch:
+            return

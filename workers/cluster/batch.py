@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from shmbuf import Spec
 from shmbuf.errors import InvalidPriorityError
+from shmbuf.window_priority import reduce_windows
 
 from ..batch import Batch
 from .sources import Chunk
@@ -25,9 +25,9 @@ class ClusterBatch(Batch):
     __slots__ = ("_nodes",)
 
     def __init__(self, data: dict[str, Any], indices: Any, lanes: Any, weights: Any,
-                 nodes: np.ndarray, release_fn: Any) -> None:
-        super().__init__(data, indices, lanes, weights, release_fn)
-        self._nodes = nodes
+                 nodes: np.ndarray, release_fn: Any, info: list[int] | None = None) -> None:
+        super().__init__(data, indices, lanes, weights, release_fn, info=info)
+        self._nodes = nodes[:info[0]] if info is not None and info[0] else nodes
 
     @property
     def nodes(self) -> np.ndarray:
@@ -41,18 +41,28 @@ class ClusterBatch(Batch):
 
 
 class BatchBuffer:
-    """One batch's arrays, reused from batch to batch (no page faults on fresh memory)."""
+    """One batch's arrays, reused from batch to batch (no page faults on fresh memory). The
+    fields and indices take the shapes of the first rows copied in: a plan's (``[B, T, ...]``
+    sequences, frame stacks, a mask) as the nodes' pools deliver them."""
 
-    def __init__(self, spec: Spec, fields: list[str], batch_size: int) -> None:
-        self.fields = {f: np.empty((batch_size, *spec[f].shape), spec[f].dtype) for f in fields}
+    def __init__(self, batch_size: int) -> None:
+        self.size = batch_size
+        self.fields: dict[str, np.ndarray] = {}
         self.indices = np.empty(batch_size, np.int64)
         self.lanes = np.empty(batch_size, np.int64)
         self.values = np.ones(batch_size, np.float64)  # stored priorities (prioritized)
         self.weights = np.ones(batch_size, np.float32)
         self.nodes = np.zeros(batch_size, np.int16)
 
+    def _shape_like(self, chunk: Chunk) -> None:
+        self.fields = {f: np.empty((self.size, *a.shape[1:]), a.dtype)
+                       for f, a in chunk.fields.items()}
+        self.indices = np.empty((self.size, *chunk.indices.shape[1:]), np.int64)
+
     def copy_rows(self, chunk: Chunk, pos: Any, want: int) -> int:
         """Copy up to ``want`` rows of ``chunk`` to positions ``pos``; how many it copied."""
+        if not self.fields:
+            self._shape_like(chunk)
         m = min(want, chunk.rows - chunk.offset)
         a, p = chunk.offset, pos[:m]
         for f, out in self.fields.items():
@@ -70,9 +80,16 @@ class BatchBuffer:
         np.power(self.values / vmin, -beta, out=self.values)
         self.weights[...] = self.values
 
-    def batch(self, release_fn: Any) -> ClusterBatch:
+    def compact(self, rows: np.ndarray) -> None:
+        """Move the rows at positions ``rows`` (ascending) to the front (a short batch)."""
+        n = rows.size
+        for out in (*self.fields.values(), self.indices, self.lanes, self.values, self.nodes):
+            out[:n] = out[rows]
+
+    def batch(self, release_fn: Any, info: list[int] | None = None) -> ClusterBatch:
+        """The learner's view; ``info`` as a slot's ``staging.INFO`` words (epochs)."""
         return ClusterBatch(dict(self.fields), self.indices, self.lanes, self.weights,
-                            self.nodes, release_fn)
+                            self.nodes, release_fn, info)
 
 
 class QueueCursors:
@@ -144,6 +161,34 @@ class PriorityRouter:
                 raise e.as_instanceof_cause() from None
             except ray.exceptions.RayError:
                 pass  # the host died: its node's priorities went with it
+
+
+def window_updates(indices: Any, priorities: Any, mask: Any, eta: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences' updates as one priority per window start: ``indices`` ``[B, T]`` to their
+    column 0, ``[B, T]`` priorities reduced by ``reduce_windows`` (over the steps ``mask``
+    keeps); ``[B]`` ones as they are. Raises ``InvalidPriorityError`` for a kept step that is
+    NaN, infinite or negative."""
+    idx = np.asarray(_host(indices), np.int64)
+    prio = np.asarray(_host(priorities), np.float64)
+    if mask is not None and prio.ndim != 2:
+        raise ValueError(f"mask= selects steps of [B, T] priorities; these are of shape "
+                         f"{prio.shape}: pass per-step priorities with it, or no mask")
+    if idx.ndim == 2:
+        if prio.ndim == 2 and prio.shape != idx.shape:
+            raise ValueError(f"priorities of shape {prio.shape} for windows {idx.shape}: pass "
+                             f"one per window ([{idx.shape[0]}]) or per step ({idx.shape})")
+        idx = idx[:, 0]
+    if prio.ndim == 2:
+        steps = None if mask is None else np.asarray(_host(mask), bool)
+        if steps is not None and (steps.shape != prio.shape or not steps.any(axis=1).all()):
+            raise ValueError(f"mask of shape {steps.shape} must match the priorities "
+                             f"{prio.shape} and keep a step of every window")
+        kept = prio if steps is None else np.where(steps, prio, 0.0)
+        if not np.isfinite(kept).all() or (kept < 0).any():
+            raise InvalidPriorityError("priorities must be finite and >= 0; nothing was sent")
+        prio = reduce_windows(kept, eta, steps)
+    return idx, prio
 
 
 def _host(value: Any) -> Any:

@@ -1,6 +1,7 @@
 """``ClusterSampler``: the learner's batches over the union of every node's rows: uniform or
 prioritized (each batch split across nodes by a multinomial draw on the nodes' row counts or
-total priorities), or a queue that delivers every row of every node exactly once.
+total priorities; rows, or a plan's windows), a queue that delivers every row of every node
+exactly once, or epochs that deliver each once per epoch (``epochs.ClusterEpochs``).
 
 Each node supplies rows from a pool over its own buffer (``sources``): the learner's own
 node through shared memory, the others gathered on their node and shipped as Ray objects, many
@@ -21,19 +22,23 @@ import functools
 import secrets
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import ray
 
 from shmbuf.checks import positive_int, timeout_seconds
-from shmbuf.errors import ClosedError, RateLimitTimeout, Timeout
+from shmbuf.errors import ClosedError, RateLimitTimeout, ShmbufError, Timeout
 from shmbuf.limiter import RateLimit
+from shmbuf.sampling import Plan
 
 from ..config import Workers, legacy_options
+from ..epochs import one_epoch
 from ..errors import NodeLostError, NodeLostWarning
-from ..selection import Prioritized, Queue, SelectionSpec, Uniform, selection_spec
-from .batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors
+from ..selection import Epoch, Prioritized, Queue, SelectionSpec, Uniform, selection_spec
+from .batch import BatchBuffer, ClusterBatch, PriorityRouter, QueueCursors, window_updates
+from .epochs import ClusterEpochs
 from .rate import Report, RoomShares, cluster_report
 from .sources import Chunk, NodeLost, make_source, node_seed, open_sources
 
@@ -51,13 +56,18 @@ class ClusterSampler:
         batch_size: rows per batch.
         selection: ``Uniform()`` (every row held equally likely, the default),
             ``Prioritized(alpha, beta, eps)`` (in proportion to priorities: per-node sum trees,
-            ``update_priorities`` routed to each row's node) or ``Queue()`` (every row of every
-            node delivered exactly once, oldest first per lane, nodes in turn); the names
-            "uniform", "prioritized" and "queue" are short for them.
+            ``update_priorities`` routed to each row's node), ``Queue()`` (every row of every
+            node delivered exactly once, oldest first per lane, nodes in turn) or
+            ``Epoch(drop_last, carry_remainder)`` (every row of every node once per epoch:
+            ``epoch()``, ``ClusterEpochs``); the names "uniform", "prioritized", "queue" and
+            "epoch" are short for them.
         limit: ``RateLimit(min_size, samples_per_insert, tolerance)`` over the whole cluster:
             sampling waits until the cluster holds ``min_size`` rows; with a ratio, the learner
             waits while its samples run ahead of all nodes' inserts, every node's writers while
             the inserts run ahead (``rate.NodeLimit``).
+        plan: ``shmbuf.sampling.Plan``: sequences, frame stacks, n-step returns, read by each
+            node's pool (not with ``Queue()``); prioritized sequences keep one priority per
+            window start, and ``update_priorities`` takes ``[B]`` or ``[B, T]`` priorities.
         workers: each node's pool's sampler processes (a number or ``Workers(...)``; 0: in the
             host's process); its start method is "forkserver" unless given (Ray processes run
             threads, which ``fork`` must not copy).
@@ -80,19 +90,20 @@ class ClusterSampler:
 
     def __init__(self, cluster: Any, batch_size: int, *,
                  selection: SelectionSpec | str | None = None, limit: RateLimit | None = None,
-                 workers: Workers | int | None = None, fields: list[str] | None = None,
+                 plan: Plan | None = None, workers: Workers | int | None = None, fields: list[str] | None = None,
                  seed: int | None = None, timeout: float = 60.0, strict: bool = False,
                  rows_per_call: int | None = None, prefetch_calls: int = 3,
                  wait_s: float = WAIT_S, **deprecated: Any) -> None:
         self.batch_size = positive_int("batch_size", batch_size)
         self.timeout = timeout_seconds("timeout", timeout, positive=True)
-        spec, limit, workers = _cluster_options(deprecated, selection, limit, workers)
-        self.selection = spec
+        spec, limit, plan, workers = _cluster_options(deprecated, selection, limit, plan,
+                                                      workers)
+        self.selection, self.plan = spec, plan
         self.sampler = _SAMPLER_OF[type(spec)]
         self.min_size = limit.min_size if limit is not None else 1
         self.limit, self.fields, self.rows_per_call, pool_kwargs = _settings(
             cluster.spec, self.batch_size, spec, rows_per_call, fields, limit)
-        pool_kwargs.update(workers=workers, timeout=self.timeout)
+        pool_kwargs.update(workers=workers, timeout=self.timeout, plan=plan)
         self._beta = spec.beta_at  # weights are the learner's: the pools' beta is unused
         self.strict = bool(strict)
         self._cluster = cluster
@@ -102,6 +113,7 @@ class ClusterSampler:
         self.rows_from = np.zeros(n, np.int64)  # rows delivered, per node
         self._closed = False
         self._held: ClusterBatch | None = None
+        self._pending: ClusterBatch | None = None  # taken by epoch(), handed out by next()
         self._sources: list[Any] = []  # None once a node is dropped
         self._shares = RoomShares(self.limit, n) if self.limit is not None else None
         self._opening = (pool_kwargs, seed, positive_int("prefetch_calls", prefetch_calls),
@@ -113,7 +125,11 @@ class ClusterSampler:
             self.close()
             raise
         self._current: list[Chunk | None] = [None] * n
-        self._out = BatchBuffer(cluster.spec, self.fields, self.batch_size)
+        self._out = BatchBuffer(self.batch_size)
+        self._epochs = (ClusterEpochs(spec.remainder, self._out, self._rng, self.node_ids,
+                                      self.min_size, lambda: self._counts()[:, 0],
+                                      self._poll_all, self._epoch_chunk)
+                        if isinstance(spec, Epoch) else None)
         self._queue = QueueCursors(n, int(getattr(cluster, "lanes_per_node", 1)))
         self._priorities = PriorityRouter(self._sources)
         self.batches = 0
@@ -144,6 +160,9 @@ class ClusterSampler:
             raise ClosedError("the ClusterSampler is closed")
         wait = self.timeout if timeout is None else timeout_seconds("timeout", timeout,
                                                                      positive=True)
+        if self._pending is not None:  # taken by epoch(), which ended its epoch before it
+            batch, self._pending = self._pending, None
+            return batch
         if self._held is not None:
             self._held.release()
         t0 = time.perf_counter()
@@ -151,10 +170,15 @@ class ClusterSampler:
         if time.monotonic() - self._polled > POLL_EVERY_S:  # counts of nodes not drawn lately
             self._polled = time.monotonic()
             self._poll_all(pause=0.0)
+        info = None
         while True:
             try:
                 if self.sampler == "queue":
                     self._fill_queue(deadline, wait)
+                elif self._epochs is not None:
+                    info = self._epochs.fill(deadline, wait)
+                    self.rows_from += np.bincount(self._out.nodes[:info[0] or self.batch_size],
+                                                  minlength=self.rows_from.size)
                 else:
                     self._fill(self._admit(deadline, wait), deadline)
                 break
@@ -165,8 +189,23 @@ class ClusterSampler:
                             self._beta(self.batches))
         self._next_s += time.perf_counter() - t0
         self.batches += 1
-        self._held = self._out.batch(None)
+        self._held = self._out.batch(None, info)
         return self._held
+
+    def epoch(self, timeout: float | None = None) -> Iterator[ClusterBatch]:
+        """The batches of one epoch (``selection=Epoch(...)``), as ``SamplerPool.epoch``: from
+        the next batch to the one that ends its epoch, each valid until the next is taken.
+
+        Raises:
+            ShmbufError: the selection is not ``Epoch(...)`` (raised here, not when iterating).
+        """
+        if self._epochs is None:
+            raise ShmbufError(f"epoch() needs cluster.sampler(..., selection=Epoch(...)); this "
+                              f"sampler's selection is {self.selection!r}")
+        return one_epoch(lambda: self.next(timeout), self._hold)
+
+    def _hold(self, batch: ClusterBatch) -> None:
+        self._pending = batch
 
     def _admit(self, deadline: float, wait: float) -> np.ndarray:
         """Wait until the cluster holds ``min_size`` rows (and the rate limit allows a batch),
@@ -256,6 +295,17 @@ class ClusterSampler:
         self._current[k] = chunk
         return chunk
 
+    def _epoch_chunk(self, k: int, wait: float) -> Chunk | None:
+        """For ``ClusterEpochs``: node k's chunk with rows left, or its next (None: none in
+        ``wait`` s, or the node is dropped; one found lost here is dropped here)."""
+        if self._sources[k] is None:
+            return None
+        try:
+            return self._chunk(k, wait)
+        except NodeLost as e:  # dropped where found: the rows already in the batch stay
+            self._drop(k, str(e))
+            return None
+
     def _take(self, k: int, n: int, pos: np.ndarray, deadline: float) -> None:
         done = 0
         while done < n:
@@ -298,13 +348,15 @@ class ClusterSampler:
 
     # -- priorities ----------------------------------------------------------------------------------
     def update_priorities(self, indices: Any, priorities: Any, lanes: Any = None,
-                          nodes: Any = None) -> int:
+                          nodes: Any = None, mask: Any = None) -> int:
         """Set new priorities for rows of a prioritized batch; each goes to its node's pool.
 
         ``indices``, ``lanes`` and ``nodes`` as in the batch (``lanes`` and ``nodes`` may be
-        left out for the current batch's ``indices``). Remote nodes apply them after the
-        fetches already in flight; one that refused an earlier update raises here. Returns
-        how many were sent.
+        left out for the current batch's ``indices``). Sequences (``plan=Plan(sequence_length=
+        T)``) take a priority per window (``[B]``) or per step (``[B, T]``, reduced here to
+        ``eta * max + (1 - eta) * mean`` over the steps ``mask`` keeps, as on one machine).
+        Remote nodes apply them after the fetches already in flight; one that refused an
+        earlier update raises here. Returns how many were sent.
 
         Raises:
             InvalidPriorityError: a priority is NaN, infinite or negative (nothing sent).
@@ -316,6 +368,8 @@ class ClusterSampler:
                 raise ValueError("pass lanes=batch.lanes and nodes=batch.nodes (or the current "
                                  "batch's own indices array)")
             lanes, nodes = self._out.lanes, self._out.nodes
+        assert isinstance(self.selection, Prioritized)
+        indices, priorities = window_updates(indices, priorities, mask, self.selection.eta)
         return self._priorities.send(indices, priorities, lanes, nodes)
 
     # -- nodes joining -------------------------------------------------------------------------------
@@ -342,6 +396,8 @@ class ClusterSampler:
         self._current.append(None)
         self.rows_from = np.append(self.rows_from, 0)
         self._queue.add_node()
+        if self._epochs is not None:
+            self._epochs.add_node()
         return k
 
     @property
@@ -357,6 +413,8 @@ class ClusterSampler:
                                 f"Fix: strict=False drops a lost node with a warning")
         warnings.warn(NodeLostWarning(f"{why}: its rows are no longer sampled"), stacklevel=3)
         self._sources[k] = self._current[k] = None
+        if self._epochs is not None:
+            self._epochs.drop(k)
         if src is not None:
             src.close()
         self.dropped.append(node)
@@ -411,17 +469,20 @@ def _stats(s: ClusterSampler) -> dict[str, Any]:
             "nodes": nodes, "dropped": list(s.dropped), "elapsed_s": elapsed,
             "priority_updates_sent": s._priorities.sent,
             "queue_gaps": s._queue.gaps, "queue_repeats": s._queue.repeats,
+            "epoch": s._epochs.epoch if s._epochs is not None else None,
+            "epoch_sizes": list(s._epochs.sizes) if s._epochs is not None else [],
+            "epoch_rows_dropped": s._epochs.dropped_rows if s._epochs is not None else 0,
             "room_pooled": s._shares.pooled if s._shares is not None else 0}
 
 
-_SAMPLER_OF = {Uniform: "uniform", Prioritized: "prioritized", Queue: "queue"}
+_SAMPLER_OF = {Uniform: "uniform", Prioritized: "prioritized", Queue: "queue", Epoch: "epoch"}
 _CLUSTER_LEGACY = {"sampler", "alpha", "beta", "eps", "min_size", "samples_per_insert",
                    "workers_per_node", "start_method"}
 
 
 def _cluster_options(given: dict[str, Any], selection: Any, limit: RateLimit | None,
-                     workers: Workers | int | None
-                     ) -> tuple[SelectionSpec, RateLimit | None, Workers]:
+                     plan: Plan | None, workers: Workers | int | None
+                     ) -> tuple[SelectionSpec, RateLimit | None, Plan | None, Workers]:
     """The sampler's strategy, limit and per-node workers, from the new arguments and the
     earlier releases' keywords (as ``SamplerPool``'s, ``legacy_options``)."""
     unknown = sorted(set(given) - _CLUSTER_LEGACY)
@@ -432,21 +493,29 @@ def _cluster_options(given: dict[str, Any], selection: Any, limit: RateLimit | N
     if "workers_per_node" in legacy:
         legacy["n_workers"] = legacy.pop("workers_per_node")
         renamed["n_workers"] = "workers_per_node"  # (the messages say what the caller wrote)
-    chosen = legacy_options(legacy, dict(selection=selection, limit=limit, plan=None,
+    chosen = legacy_options(legacy, dict(selection=selection, limit=limit, plan=plan,
                                           workers=workers, output="numpy", device=None,
                                           transform=None), who="ClusterSampler",
                             spelled_as=renamed)
     spec = selection_spec(chosen["selection"])
     if type(spec) not in _SAMPLER_OF:
         raise ValueError(f"selection={spec!r}: a cluster samples with Uniform(), "
-                         f"Prioritized(...) or Queue()")
+                         f"Prioritized(...), Queue() or Epoch(...)")
+    plan = chosen["plan"]
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan={plan!r}: pass a shmbuf.sampling.Plan (e.g. "
+                        f"Plan(sequence_length=80))")
+    if isinstance(spec, Queue) and plan is not None and not plan.is_plain:
+        raise ValueError(f"plan={plan!r}: Queue() delivers single stored transitions; "
+                         f"sequence, frame-stack and n-step plans sample with Uniform(), "
+                         f"Prioritized(...) or Epoch(...)")
     workers = chosen["workers"]
     if not isinstance(workers, Workers):  # (one per node by default, not the cores')
         workers = Workers(1 if workers is None else workers)
     if workers.n is None or workers.start_method is None:  # Ray's processes run threads
         workers = dataclasses.replace(workers, n=1 if workers.n is None else workers.n,
                                       start_method=workers.start_method or "forkserver")
-    return spec, chosen["limit"], workers
+    return spec, chosen["limit"], plan, workers
 
 
 def _settings(spec: Any, batch_size: int, selection: SelectionSpec, rows_per_call: int | None,
@@ -459,6 +528,11 @@ def _settings(spec: Any, batch_size: int, selection: SelectionSpec, rows_per_cal
     if ratio is not None and queue:
         raise ValueError("Queue() is its own rate limiter: pass limit=RateLimit(min_size=...) "
                          "without samples_per_insert")
+    if ratio is not None and isinstance(selection, Epoch):
+        raise ValueError("Epoch() on a cluster paces itself by its epochs: pass "
+                         "limit=RateLimit(min_size=...) without samples_per_insert")
+    if isinstance(selection, Epoch):  # nodes give whole node epochs; the remainder is ours
+        selection = Epoch(drop_last=False)
     fields = list(spec) if fields is None else list(fields)
     unknown = [f for f in fields if f not in spec]
     if unknown:

@@ -92,9 +92,13 @@ class NodePool:
             return reply
         reply.update(self.counts())  # after next(): new rows are in the table
         reply.update(rows=batch.batch_size, fields={k: batch[k] for k in batch},
-                     indices=batch.indices, lanes=batch.lanes, values=None)
-        if self.table is not None:
-            reply["values"] = self.table.leaf_values(batch.lanes, batch.indices)
+                     indices=batch.indices, lanes=batch.lanes, values=None, epoch=batch.epoch,
+                     ends_epoch=batch.ends_epoch, epoch_rows=None)
+        if batch.epoch is not None:  # (a node epoch of Epoch(drop_last=False))
+            reply["epoch_rows"] = self.pool.epoch_size(batch.epoch)
+        if self.table is not None:  # each row's, or each window start's
+            starts = batch.indices[:, 0] if batch.indices.ndim == 2 else batch.indices
+            reply["values"] = self.table.leaf_values(batch.lanes, starts)
         return reply
 
     def update_priorities(self, lanes: Any, indices: Any, priorities: Any) -> int:
@@ -111,15 +115,20 @@ class NodePool:
 
 
 class Chunk:
-    """Rows of one node not yet delivered: field arrays, indices, lanes, stored priorities."""
+    """Rows of one node not yet delivered: field arrays, indices, lanes, stored priorities;
+    for epochs, the node epoch they belong to, its size, and whether they end it."""
 
-    __slots__ = ("fields", "indices", "lanes", "values", "offset", "rows")
+    __slots__ = ("fields", "indices", "lanes", "values", "offset", "rows", "epoch",
+                 "epoch_rows", "ends_epoch")
 
     def __init__(self, reply: dict[str, Any]) -> None:
         self.fields = reply["fields"]
         self.indices, self.lanes, self.values = reply["indices"], reply["lanes"], reply["values"]
         self.rows = int(reply["rows"])
         self.offset = 0
+        self.epoch: int | None = reply.get("epoch")
+        self.epoch_rows: int | None = reply.get("epoch_rows")
+        self.ends_epoch = bool(reply.get("ends_epoch"))
 
     def keep(self, mask: np.ndarray) -> None:
         """Only the rows of ``mask`` (copies; the queue drops rows seen before)."""

@@ -102,6 +102,9 @@ def demo_limits(args: argparse.Namespace, rows: int) -> RateLimit:
 
 @plots_throughput  # --plot PATH
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "isolated", False) and args.ray_nodes is None:
+        raise SystemExit("--isolated puts each Ray node in namespaces of its own: give the "
+                         "nodes with it, e.g. --ray-nodes 3 --isolated")
     spec = _spec_for(args.env)
     capacity = _capacity_for(spec, args.actors, args.capacity, args.batch_size)
     if args.ray_nodes is not None:

@@ -13,6 +13,8 @@ from shmbuf.sampling import Draw
 
 from .base import Rows, Selection, SelectionSpec
 
+KEEP_SIZES = 64  # epochs whose sizes are kept (a small buffer's pool runs epochs ahead)
+
 
 @dataclass(frozen=True)
 class Epoch(SelectionSpec):
@@ -83,6 +85,7 @@ class EpochSelection(Selection):
         self.anchors = np.zeros(0, np.int64)
         self.cursor = 0  # anchors of this epoch handed out so far
         self.epoch = -1  # the epoch begun last (from 0)
+        self.sizes: dict[int, int] = {}  # anchors each of the last few epochs began with
         self.redo: Rows | None = None  # a stale batch's replacement, for the next select
 
     def _begin_epoch(self, found: Draw, rng: np.random.Generator) -> int:
@@ -90,6 +93,8 @@ class EpochSelection(Selection):
         order = rng.permutation(found.lanes.size)
         self.lanes, self.anchors = found.lanes[order], found.indices[order]
         self.cursor, self.epoch = 0, self.epoch + 1
+        self.sizes[self.epoch] = int(order.size)
+        self.sizes.pop(self.epoch - KEEP_SIZES, None)
         return int(order.size)
 
     def _take(self, n: int) -> Draw:
