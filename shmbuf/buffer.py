@@ -186,7 +186,9 @@ class ReplayBuffer:
     def committed(self, lane: None = None) -> np.ndarray: ...
 
     def committed(self, lane: int | None = None) -> int | np.ndarray:
-        """Transitions ever published to ``lane`` (or to each lane)."""
+        """Rows ever published to ``lane`` (or to each lane): the lane's next logical index.
+        With ``next_obs="derived"`` this counts the final-observation row each episode ends
+        with too (an index, not a transition count: ``len(buf)`` counts transitions only)."""
         self._check_open()
         if lane is None:
             return self._storage.committed.copy()
@@ -440,7 +442,8 @@ class ReplayBuffer:
     ) -> Self:
         """Create a new buffer (this process owns it) from a directory written by ``save``.
 
-        Logical indices and episode counters are preserved. ``capacity`` may differ from the
+        Logical indices, episode counters and actor priorities (``actor_priorities=True``
+        buffers: the new one has them too) are preserved. ``capacity`` may differ from the
         saved one; a smaller one keeps each lane's newest rows.
 
         Raises:

@@ -278,10 +278,14 @@ class BufferStorage:
 
     def restore_lane(self, lane: int, first: int, rows: Mapping[str, np.ndarray],
                      meta: np.ndarray, episode: int, episode_start: int,
-                     on_copied: Callable[[int], None] | None = None) -> None:
+                     on_copied: Callable[[int], None] | None = None,
+                     priorities: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Write rows ``first .. first+n`` of ``lane`` (caller holds the lane's lease).
 
-        ``on_copied(nbytes)``, if given, is called after each column copy (progress display).
+        ``priorities`` (values f8, given u1/bool, ``[n]`` each): the rows' actor priorities,
+        stored with tags naming the rows where ``given`` (the buffer keeps actor priorities);
+        every other slot of the lane is left with no priority. ``on_copied(nbytes)``, if given,
+        is called after each column copy (progress display).
         """
         C = self.capacity
         n = int(meta.shape[0])
@@ -301,8 +305,15 @@ class BufferStorage:
                 if on_copied is not None:
                     on_copied(dst.nbytes)
             self.meta[base + a : base + b] = meta[off : off + (b - a)]
-        if self.priority_row is not None:  # restored rows carry no actor priority
-            self.priority_row[base : base + C] = 0
+        if self.priority is not None and self.priority_row is not None:
+            self.priority_row[base : base + C] = 0  # no stale tag names a rewritten index
+            if priorities is not None:
+                values, given = priorities
+                for a, b, off in segments:
+                    tags = L.priority_row_tag(np.arange(first + off, first + off + (b - a)))
+                    self.priority[base + a : base + b] = values[off : off + (b - a)]
+                    self.priority_row[base + a : base + b] = np.where(
+                        given[off : off + (b - a)], tags, 0)
         q[self.word_index(lane, L.LANE_EPISODE)] = episode
         q[self.word_index(lane, L.LANE_EPISODE_START)] = episode_start
         slots.finish_restore(lane_stamps, segments, first, q, reserved_at, end, C)

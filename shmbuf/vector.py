@@ -113,15 +113,7 @@ class VectorWriter(LaneWriter):
     def add(self, /, **fields: Any) -> np.ndarray:
         """Append one transition per env (every field ``[num_envs, ...]``); returns the logical
         index each got in its lane. Validated whole before anything is written."""
-        if self._closed_reason is not None:
-            self._raise_closed()
-        n, arrays = self._check_batch(fields)
-        if n != self.num_envs:
-            raise SpecMismatchError(
-                f"add(): fields have {n} rows but this writer has num_envs={self.num_envs}: pass "
-                f"one row per environment"
-            )
-        return self._put_rows(arrays, None)
+        return self._put_rows(self._env_rows_of(fields, "add()"), None)
 
     def add_prioritized(self, priorities: Any, /, **fields: Any) -> np.ndarray:
         """``add`` with each env's row priority (``[num_envs]`` floats; an
@@ -129,16 +121,21 @@ class VectorWriter(LaneWriter):
         at it instead of at its maximum priority (Ape-X). Positional first, so a field may be
         called ``priority``. NaN, infinite or negative priorities, or not one per env, raise
         ``InvalidPriorityError`` and nothing is written."""
+        arrays = self._env_rows_of(fields, "add_prioritized()")
+        p = checked_priorities(self._storage, priorities, self.num_envs, "add_prioritized()")
+        return self._put_rows(arrays, p)
+
+    def _env_rows_of(self, fields: dict[str, Any], what: str) -> Sequence[Any]:
+        """``fields`` checked as one row per env (the writer open), else the typed error."""
         if self._closed_reason is not None:
             self._raise_closed()
         n, arrays = self._check_batch(fields)
         if n != self.num_envs:
             raise SpecMismatchError(
-                f"add_prioritized(): fields have {n} rows but this writer has num_envs="
-                f"{self.num_envs}: pass one row per environment"
+                f"{what}: fields have {n} rows but this writer has num_envs={self.num_envs}: "
+                f"pass one row per environment"
             )
-        p = checked_priorities(self._storage, priorities, n, "add_prioritized()")
-        return self._put_rows(arrays, p)
+        return arrays
 
     def _put_rows(self, arrays: Sequence[Any], priorities: np.ndarray | None) -> np.ndarray:
         """Store one checked row per env (with its priority, unless None); their indices."""
@@ -263,16 +260,10 @@ class OneEnvVectorWriter(VectorWriter):
     def add(self, /, **fields: Any) -> np.ndarray:
         """Append one transition per env (every field ``[num_envs, ...]``); returns the logical
         index each got in its lane. Validated whole before anything is written."""
-        if self._closed_reason is not None:
-            self._raise_closed()
-        arrays: Sequence[Any] | None = self._env_rows.fast_row(fields)
+        arrays: Sequence[Any] | None = (self._env_rows.fast_row(fields)
+                                        if self._closed_reason is None else None)
         if arrays is None:
-            n, arrays = self._check_batch(fields)
-            if n != 1:
-                raise SpecMismatchError(
-                    f"add(): fields have {n} rows but this writer has num_envs=1: pass one row "
-                    f"per environment"
-                )
+            arrays = self._env_rows_of(fields, "add()")
         lane, rows = self._lane, list(map(_first_row, arrays))
         i = lane._store.append(rows)
         if i is None:  # wait for room as this writer would
@@ -296,16 +287,10 @@ class OneEnvVectorWriter(VectorWriter):
         return np.array([self._lane.end_episode(truncated=bool(trunc[0]), **data)], np.int64)
 
     def add_prioritized(self, priorities: Any, /, **fields: Any) -> np.ndarray:
-        if self._closed_reason is not None:
-            self._raise_closed()
-        arrays: Sequence[Any] | None = self._env_rows.fast_row(fields)
+        arrays: Sequence[Any] | None = (self._env_rows.fast_row(fields)
+                                        if self._closed_reason is None else None)
         if arrays is None:
-            n, arrays = self._check_batch(fields)
-            if n != 1:
-                raise SpecMismatchError(
-                    f"add_prioritized(): fields have {n} rows but this writer has num_envs=1: "
-                    f"pass one row per environment"
-                )
+            arrays = self._env_rows_of(fields, "add_prioritized()")
         p = checked_priorities(self._storage, priorities, 1, "add_prioritized()")
         lane = self._lane
         lane.timeout, lane.stop_when = self.timeout, self.stop_when

@@ -22,8 +22,9 @@ What is proved here:
   entered priorities ** alpha;
 - priorities too large for the tree are clipped at sync and counted in ``stats()``;
 - prioritized sequences: a window start enters at its row's actor priority;
-- checkpoints do not keep actor priorities, and a restore leaves no stale one behind; the
-  layout of a buffer without them is the one it always had.
+- a restore of rows without actor priorities leaves no stale one behind (checkpoints that
+  keep them: ``test_persist_priorities.py``); the layout of a buffer without them is the one
+  it always had.
 """
 
 from __future__ import annotations
@@ -606,13 +607,15 @@ def test_layout_with_and_without_actor_priorities():
 
 
 def test_a_restore_leaves_no_stale_actor_priority():
-    """Checkpoints keep rows, not actor priorities: ``load_state_dict`` of a buffer's own
-    state rewrites rows 0..9 at the very slots and indices that held their priorities, and
-    those rows then enter at the maximum, not at the priorities of before."""
+    """``load_state_dict`` of a buffer's own state without its priorities (as one saved
+    before checkpoints kept them) rewrites rows 0..9 at the very slots and indices that held
+    their priorities, and those rows then enter at the maximum, not at the priorities of
+    before."""
     with new_buffer(32) as buf:
         with buf.writer(lane=0) as w:
             w.extend(procs.make_batch(0, np.arange(10)), priorities=np.full(10, 7.0))
         state = buf.state_dict()
+        del state["actor_priorities"], state["priorities"]
         assert (buf.storage.priority_row[:10] == np.arange(1, 11)).all()
         buf.load_state_dict(state)
         np.testing.assert_array_equal(buf.windows().hi, [10])

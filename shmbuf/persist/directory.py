@@ -7,6 +7,9 @@ snapshot's layout, ``snapshot.py``):
 - one ``NNN_<field>.npy`` per field (``file_name``), shape ``[n_0 + ... + n_{L-1}, *shape]``:
   lane 0's rows oldest first, then lane 1's, ...;
 - ``_meta.npy``, int64 ``[rows]``: each row's ``episode << 32 | flags | step_in_episode``;
+- of a buffer with actor priorities only: ``_priority.npy``, float64 ``[rows]``, the priority
+  each row's writer gave (0.0 where none), and ``_priority_given.npy``, uint8 ``[rows]``, 1
+  where one was given (``snapshot.PRIORITY_COLUMNS``);
 - ``_episodes.npy``, int64 ``[records, 5]``: the episode records held (lane, episode, start,
   length, flags), by lane then episode, and one ``_ep_NNN_<field>.npy`` per episode-spec field;
 - ``manifest.json``, written last (``save`` writes into a hidden directory and renames it into
@@ -16,10 +19,12 @@ snapshot's layout, ``snapshot.py``):
   segment's name), ``spec`` (``Spec.to_json``), ``capacity``, ``lanes``, ``rows``, ``per_lane``
   (per lane: lane, first, count, offset, episode, episode_start: ``snapshot.LaneRows``),
   ``fields`` (per field, in spec order: name, file, shape, dtype ``.str``), ``meta`` (file,
-  shape, dtype), the options ``next_obs``, ``episode_spec`` (JSON, ``[]`` for none) and
-  ``episode_capacity``, and ``episodes`` (``records``: file, shape, dtype; ``columns``: the
-  record columns; ``fields``: one file entry per episode field). The options and ``episodes``
-  are absent in older checkpoints, which load with the defaults and without records.
+  shape, dtype), the options ``next_obs``, ``episode_spec`` (JSON, ``[]`` for none),
+  ``episode_capacity`` and ``actor_priorities`` (true; absent for none), ``priorities`` (only if
+  ``actor_priorities``: ``values`` and ``given``, a file entry each), and ``episodes``
+  (``records``: file, shape, dtype; ``columns``: the record columns; ``fields``: one file entry
+  per episode field). The options, ``priorities`` and ``episodes`` are absent in older
+  checkpoints, which load with the defaults, without actor priorities and without records.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..errors import CapacityError, CheckpointError
 from ..segment import fmt_bytes
 from ..storage import BufferStorage
 from . import _files, snapshot
-from .snapshot import RECORD_COLUMNS
+from .snapshot import PRIORITY_COLUMNS, RECORD_COLUMNS
 from .validate import (
     WORD_DTYPE,
     bad,
@@ -58,6 +63,7 @@ FORMAT = "shmbuf-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 META_FILE = "_meta.npy"
+PRIORITY_FILES = {"values": "_priority.npy", "given": "_priority_given.npy"}  # PRIORITY_COLUMNS
 EPISODES_FILE = "_episodes.npy"
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest is a few KiB; a larger file is not one of ours
 
@@ -108,8 +114,10 @@ def save(
     parent.mkdir(parents=True, exist_ok=True)
     sizes = storage.windows().sizes  # rows to allocate; lanes are re-read as they are copied
     needed = _bytes_needed(storage, int(sizes.sum()))
-    # files to create: one per field and episode field, _meta, _episodes, the manifest, the dir
+    # files to create: one per field and episode field, _meta, _episodes, the manifest, the dir,
+    # and the priority columns
     n_files = len(storage.spec) + len(storage.episode_spec or ()) + 4
+    n_files += len(PRIORITY_FILES) if snapshot.keeps_priorities(storage) else 0
     _files.remove_dead_saves(final)  # before the space check: they free theirs
 
     def no_room(free: int, inodes: int) -> CapacityError:
@@ -163,6 +171,8 @@ def _bytes_needed(storage: BufferStorage, rows: int) -> int:
     block = 4096
     spec, i8 = storage.spec, WORD_DTYPE
     files = [(f.dtype, (rows, *f.shape)) for f in spec.values()] + [(i8, (rows,))]
+    if snapshot.keeps_priorities(storage):
+        files += [(dtype, (rows,)) for _, dtype in PRIORITY_COLUMNS]
     records = storage.lanes * storage.layout.episode_capacity if storage.episodes is not None else 0
     files.append((i8, (records, len(RECORD_COLUMNS))))
     for f in (storage.episode_spec or {}).values():
@@ -178,6 +188,7 @@ def _write_checkpoint(storage: BufferStorage, directory: Path, sizes: np.ndarray
     spec = storage.spec
     rows = int(sizes.sum())
     files = {name: file_name(i, name) for i, name in enumerate(spec)}
+    keeps_priorities = snapshot.keeps_priorities(storage)
     opened: list[_files.NpyWriter] = []
 
     def open_npy(file: str, dtype: np.dtype, shape: tuple[int, ...]) -> _files.NpyWriter:
@@ -188,8 +199,10 @@ def _write_checkpoint(storage: BufferStorage, directory: Path, sizes: np.ndarray
         fields = {name: open_npy(files[name], f.dtype, (rows, *f.shape))
                   for name, f in spec.items()}
         meta = open_npy(META_FILE, WORD_DTYPE, (rows,))
+        priorities = {name: open_npy(PRIORITY_FILES[name], dtype, (rows,))
+                      for name, dtype in PRIORITY_COLUMNS} if keeps_priorities else None
         lanes = snapshot.take_rows(storage, sizes, fields, meta, progress,
-                                   f"saving {storage.name}")
+                                   f"saving {storage.name}", priorities)
         rows = sum(r.count for r in lanes)
         for w in opened:
             w.finish()
@@ -221,6 +234,8 @@ def _write_checkpoint(storage: BufferStorage, directory: Path, sizes: np.ndarray
                    for name, f in spec.items()],
         "meta": file_entry(META_FILE, WORD_DTYPE, (rows,)),
         **snapshot.buffer_options(storage),
+        **({"priorities": {name: file_entry(PRIORITY_FILES[name], dtype, (rows,))
+                           for name, dtype in PRIORITY_COLUMNS}} if keeps_priorities else {}),
         "episodes": {
             "records": file_entry(EPISODES_FILE, WORD_DTYPE, records.table.shape),
             "columns": list(RECORD_COLUMNS),
@@ -266,7 +281,8 @@ def load(
     buf = create(header.spec, capacity, header.lanes, name, **header.options())
     try:
         snapshot.restore(buf.storage, contents.lanes, contents.fields, contents.meta,
-                         contents.records, progress, f"loading {directory.name}")
+                         contents.records, progress, f"loading {directory.name}",
+                         contents.priorities)
     except BaseException:
         buf.close()
         raise

@@ -4,7 +4,8 @@ seqlock and compacted, with the episode records; and the restore that writes the
 Both checkpoint forms (``directory``, ``state``) take and restore a buffer only through here.
 A snapshot holds nothing below a lane's floor (``clear()`` under a live writer): rows are read
 through ``storage.windows()`` and records that began below it are left out; a restore sets
-every floor it rewrites back to 0 (``restore_lane``, under ``LOCK_CLEAR``).
+every floor it rewrites back to 0 (``restore_lane``, under ``LOCK_CLEAR``). A buffer with actor
+priorities also gives each row's priority, if its writer gave one (``PRIORITY_COLUMNS``).
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from .._progress import Progress
 from ..checks import ring_segments
 from ..spec import Spec
 from ..storage import BufferStorage
+from ..store import priority_columns
 
 CHUNK_BYTES = 64 << 20  # rows are copied out of shared memory this many bytes at a time
 RECORD_COLUMNS = ("lane", "episode", "start", "length", "flags")  # of Records.table
+# A snapshot of an ``actor_priorities`` buffer: per row, the priority its writer gave (0.0 where
+# none) and whether one was given (1) or not (0: written without one, or the slot's tag named
+# another row). A restore tags the rows given one at their (same) logical index.
+PRIORITY_COLUMNS = (("values", np.dtype("<f8")), ("given", np.dtype("|u1")))
 
 # A snapshot's rows, in both forms: one array per field, shape ``[n_0 + ... + n_{L-1}, *shape]``
 # for a buffer of L lanes that keep n_0 .. n_{L-1} rows: lane 0's rows oldest first, then lane
-# 1's, ...; one int64 ``meta`` word per row (``episode << 32 | flags | step_in_episode``); and
-# one ``LaneRows`` per lane saying where its rows are. Episode records are ``Records``.
+# 1's, ...; one int64 ``meta`` word per row (``episode << 32 | flags | step_in_episode``); with
+# actor priorities, the ``PRIORITY_COLUMNS`` ``[rows]`` each; and one ``LaneRows`` per lane
+# saying where its rows are. Episode records are ``Records``.
 
 
 @dataclass(frozen=True)
@@ -81,19 +88,28 @@ class ArrayRows:
         self.array = out
 
 
-def _row_nbytes(spec: Spec) -> int:
-    """Bytes a snapshot holds per row: the fields plus the meta word."""
-    return spec.row_nbytes + L.WORD
+def _row_nbytes(spec: Spec, actor_priorities: bool) -> int:
+    """Bytes a snapshot holds per row: the fields, the meta word and the priority columns."""
+    priorities = sum(d.itemsize for _, d in PRIORITY_COLUMNS) if actor_priorities else 0
+    return spec.row_nbytes + L.WORD + priorities
+
+
+def keeps_priorities(storage: BufferStorage) -> bool:
+    """Whether ``storage`` keeps actor priorities (``create(actor_priorities=True)``)."""
+    return storage.priority is not None
 
 
 def buffer_options(storage: BufferStorage) -> dict[str, Any]:
     """What ``ReplayBuffer.create`` needs besides spec, capacity and lanes to recreate the
-    buffer (JSON-ready): ``next_obs``, ``episode_spec`` (``[]`` for none), ``episode_capacity``."""
+    buffer (JSON-ready): ``next_obs``, ``episode_spec`` (``[]`` for none), ``episode_capacity``,
+    and ``actor_priorities: True`` where it keeps them (only then: a checkpoint of a buffer
+    without them is the one it always was)."""
     spec = storage.episode_spec
     return {
         "next_obs": "derived" if storage.derived_next_obs else "stored",
         "episode_spec": spec.to_json() if spec is not None else [],
         "episode_capacity": storage.layout.episode_capacity,
+        **({"actor_priorities": True} if keeps_priorities(storage) else {}),
     }
 
 
@@ -107,17 +123,20 @@ def take_rows(
     meta: RowSink,
     progress: bool | None,
     desc: str,
+    priorities: Mapping[str, RowSink] | None = None,
 ) -> list[LaneRows]:
     """Copy each lane's newest held rows, at most ``sizes[k]`` of lane k (``sizes`` read from
-    ``storage.windows()`` when the sinks were sized), into ``fields`` and ``meta``, and return
+    ``storage.windows()`` when the sinks were sized), into ``fields``, ``meta`` and (a buffer
+    with actor priorities) ``priorities`` (one sink per ``PRIORITY_COLUMNS`` name), and return
     where each lane's rows are: packed, lane after lane, with no gap.
 
     A row that a writer overwrote during the copy is left out with every older row of its lane
     (see ``_copy_lanes``); the sinks are then compacted to the rows kept.
     """
     rows = int(sizes.sum())
-    with Progress(rows * _row_nbytes(storage.spec), desc, progress) as bar:
-        lanes = _copy_lanes(storage, sizes, fields, meta, bar)
+    priorities = priorities or {}
+    with Progress(rows * _row_nbytes(storage.spec, bool(priorities)), desc, progress) as bar:
+        lanes = _copy_lanes(storage, sizes, fields, meta, priorities, bar)
     kept = sum(r.count for r in lanes)
     if kept != rows:  # writers overwrote rows under the copy: close the gaps
         packed, pos = [], 0
@@ -125,7 +144,7 @@ def take_rows(
             packed.append(replace(r, offset=pos))
             pos += r.count
         moves = [(old.offset, new.offset, old.count) for old, new in zip(lanes, packed)]
-        for sink in (*fields.values(), meta):
+        for sink in (*fields.values(), meta, *priorities.values()):
             sink.compact(moves, kept)
         lanes = packed
     return lanes
@@ -136,10 +155,14 @@ def _copy_lanes(
     sizes: np.ndarray,
     fields: Mapping[str, RowSink],
     meta: RowSink,
+    priorities: Mapping[str, RowSink],
     bar: Progress,
 ) -> list[LaneRows]:
     """Copy lane k's newest held rows, at most ``sizes[k]``, to rows ``sizes[:k].sum()`` on of
     the sinks, oldest first, and return the rows of each lane that were intact.
+
+    A row's actor priority is read between the same stamps as its fields; it counts as given
+    iff the slot's tag names the row (``layout.priority_row_tag``), and is 0.0 otherwise.
 
     Each lane's window is read just before its copy, after its episode words (a writer moves
     ``episode_start`` only up to its ``committed``, so the window ends at or after it). The rows
@@ -150,7 +173,7 @@ def _copy_lanes(
     C = storage.capacity
     cols, stamps, meta_words = storage.columns, storage.stamps, storage.meta
     words = storage.lane_words
-    row = _row_nbytes(storage.spec)
+    row = _row_nbytes(storage.spec, bool(priorities))
     chunk_rows = max(1, CHUNK_BYTES // row)
     lanes = []
     pos = 0
@@ -172,6 +195,10 @@ def _copy_lanes(
                 for name, dst in fields.items():
                     dst[at + off : at + off + (b - a)] = cols[name][base + a : base + b]
                 meta[at + off : at + off + (b - a)] = meta_words[base + a : base + b]
+                if priorities:
+                    values, given = _priorities_of(storage, base + a, base + b, i0 + off)
+                    priorities["values"][at + off : at + off + (b - a)] = values
+                    priorities["given"][at + off : at + off + (b - a)] = given
             bad = np.flatnonzero(~slots.still_held_run(stamps, segments, base, i0, i1, before))
             if bad.size:
                 keep_from = i0 + int(bad[-1]) + 1
@@ -189,6 +216,15 @@ def _copy_lanes(
         )
         pos += size
     return lanes
+
+
+def _priorities_of(storage: BufferStorage, a: int, b: int, first: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The actor priorities of slots ``[a, b)``, which hold rows ``first ..``: (values, given)
+    as ``PRIORITY_COLUMNS``; a slot whose tag names another row has none (0.0, 0)."""
+    priority, priority_row = priority_columns(storage)
+    given = priority_row[a:b] == L.priority_row_tag(np.arange(first, first + (b - a)))
+    return np.where(given, priority[a:b], 0.0), given.astype(np.uint8)
 
 
 def take_records(storage: BufferStorage) -> Records:
@@ -223,11 +259,13 @@ def restore(
     records: Records | None,
     progress: bool | None,
     desc: str,
+    priorities: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """Rewrite every lane of ``storage`` from ``lanes``, and its episode records from
-    ``records`` (None: it keeps none); a lane keeps its newest ``capacity`` rows. The caller has
-    validated everything: the only error expected here is LaneBusyError, raised before anything
-    changes."""
+    ``records`` (None: it keeps none); a lane keeps its newest ``capacity`` rows, with their
+    actor priorities from ``priorities`` (``PRIORITY_COLUMNS``; None: the rows have none). The
+    caller has validated everything: the only error expected here is LaneBusyError, raised
+    before anything changes."""
     C = storage.capacity
     kept = [min(r.count, C) for r in lanes]
     total = sum(kept) * storage.spec.row_nbytes
@@ -244,6 +282,8 @@ def restore(
                     r.episode,
                     r.episode_start,
                     on_copied=bar.update,
+                    priorities=None if priorities is None else
+                    (priorities["values"][a : a + n], priorities["given"][a : a + n]),
                 )
         _restore_episodes(storage, records)
     finally:

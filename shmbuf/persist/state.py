@@ -8,9 +8,13 @@ arrays in place of file entries:
 ``lanes``, ``per_lane`` (per lane: lane, first, count, offset, episode, episode_start:
 ``snapshot.LaneRows``), ``fields`` (name -> array ``[rows, *shape]``, lanes one after another,
 each oldest first), ``meta`` (int64 ``[rows]``), the options ``next_obs``, ``episode_spec``
-(JSON, ``[]`` for none) and ``episode_capacity``, and ``episodes`` (``records``: int64 ``[n, 5]``
-lane, episode, start, length, flags; ``fields``: name -> ``[n, *shape]``). The options and
-``episodes`` are absent in older states, which load as stored-next_obs states without records.
+(JSON, ``[]`` for none), ``episode_capacity`` and ``actor_priorities`` (True; absent for
+none), ``priorities`` (only if ``actor_priorities``: ``values`` float64 ``[rows]``, the
+priority each row's writer gave, 0.0 where none, and ``given`` uint8 ``[rows]``, 1 where one
+was given), and ``episodes``
+(``records``: int64 ``[n, 5]`` lane, episode, start, length, flags; ``fields``: name ->
+``[n, *shape]``). The options, ``priorities`` and ``episodes`` are absent in older states,
+which load as stored-next_obs states without actor priorities or records.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 from ..errors import SpecMismatchError
 from ..storage import BufferStorage
 from . import snapshot
-from .snapshot import ArrayRows
+from .snapshot import PRIORITY_COLUMNS, ArrayRows
 from .validate import (
     WORD_DTYPE,
     Header,
@@ -49,7 +53,10 @@ def state_dict(storage: BufferStorage) -> dict[str, Any]:
     rows = int(sizes.sum())
     fields = {name: ArrayRows(f.dtype, (rows, *f.shape)) for name, f in spec.items()}
     meta = ArrayRows(WORD_DTYPE, (rows,))
-    lanes = snapshot.take_rows(storage, sizes, fields, meta, None, f"state_dict of {storage.name}")
+    priorities = {name: ArrayRows(dtype, (rows,)) for name, dtype in PRIORITY_COLUMNS
+                  } if snapshot.keeps_priorities(storage) else None
+    lanes = snapshot.take_rows(storage, sizes, fields, meta, None, f"state_dict of {storage.name}",
+                               priorities)
     records = snapshot.take_records(storage)
     return {
         "format": FORMAT,
@@ -61,6 +68,8 @@ def state_dict(storage: BufferStorage) -> dict[str, Any]:
         "fields": {name: sink.array for name, sink in fields.items()},
         "meta": meta.array,
         **snapshot.buffer_options(storage),
+        **({"priorities": {name: sink.array for name, sink in priorities.items()}}
+           if priorities is not None else {}),
         "episodes": {"records": records.table, "fields": records.fields},
     }
 
@@ -77,7 +86,7 @@ def load_state_dict(storage: BufferStorage, state: Mapping[str, Any]) -> None:
 
     Raises:
         SpecMismatchError: the state's spec, lane count, next_obs mode or episode spec differs
-            from the buffer's.
+            from the buffer's, or it has actor priorities and the buffer keeps none.
         CheckpointError: the state is malformed or inconsistent.
         LaneBusyError: a lane has a live writer; nothing was changed.
     """
@@ -90,12 +99,13 @@ def load_state_dict(storage: BufferStorage, state: Mapping[str, Any]) -> None:
         raise bad(where, f"'meta' should be int64 [rows], found {meta.shape} {meta.dtype}")
     contents = check_contents(state, header, int(meta.shape[0]), ArrayForm(), where)
     snapshot.restore(storage, contents.lanes, contents.fields, contents.meta, contents.records,
-                     None, f"load_state_dict into {storage.name}")
+                     None, f"load_state_dict into {storage.name}", contents.priorities)
 
 
 def _check_fits(storage: BufferStorage, header: Header, has_records: bool) -> None:
     """SpecMismatchError unless the state is of a buffer like ``storage``: the same spec, lanes,
-    next_obs mode and, if it holds episode records, episode spec."""
+    next_obs mode and, if it holds episode records, episode spec; actor priorities only into a
+    buffer that keeps them (a state without them loads into any: its rows have none)."""
     where = "load_state_dict()"
     if header.spec != storage.spec:
         raise SpecMismatchError(
@@ -114,6 +124,12 @@ def _check_fits(storage: BufferStorage, header: Header, has_records: bool) -> No
             f"{where}: the state is of a next_obs={header.next_obs!r} buffer, this one has "
             f"next_obs={mode!r} (its rows would mean something else). Fix: create the buffer "
             f"with next_obs={header.next_obs!r}"
+        )
+    if header.actor_priorities and not snapshot.keeps_priorities(storage):
+        raise SpecMismatchError(
+            f"{where}: the state is of a buffer with actor priorities, this one keeps none (they "
+            f"would be lost). Fix: create the buffer with actor_priorities=True; to drop them "
+            f"instead, delete state['priorities'] and set state['actor_priorities'] = False"
         )
     if has_records and header.episode_spec != storage.episode_spec:
         raise SpecMismatchError(

@@ -15,7 +15,7 @@ import numpy as np
 from .. import layout as L
 from ..errors import CheckpointError
 from ..spec import Spec
-from .snapshot import RECORD_COLUMNS, LaneRows, Records
+from .snapshot import PRIORITY_COLUMNS, RECORD_COLUMNS, LaneRows, Records
 
 MAX_INDEX = 1 << 61  # largest logical index or capacity a checkpoint may name (stamps 2i+2: int64)
 MAX_EPISODE = (1 << 31) - 1  # episode ids sit above STEP_BITS in the int64 meta word (the
@@ -102,11 +102,13 @@ class Header:
     next_obs: str
     episode_spec: Spec | None
     episode_capacity: int | None  # None: the default for the capacity
+    actor_priorities: bool = False
 
     def options(self) -> dict[str, Any]:
         """``create``'s keyword arguments besides spec, capacity and lanes."""
         return {"next_obs": self.next_obs, "episode_spec": self.episode_spec,
-                "episode_capacity": self.episode_capacity}
+                "episode_capacity": self.episode_capacity,
+                "actor_priorities": self.actor_priorities}
 
 
 def check_header(doc: Mapping[str, Any], where: str) -> Header:
@@ -124,7 +126,12 @@ def check_header(doc: Mapping[str, Any], where: str) -> Header:
     episode_capacity = doc.get("episode_capacity")
     if episode_capacity is not None:
         episode_capacity = check_int(episode_capacity, "'episode_capacity'", 1, MAX_INDEX, where)
-    return Header(spec, capacity, lanes, next_obs, episode_spec, episode_capacity)
+    actor_priorities = doc.get("actor_priorities", False)
+    if not isinstance(actor_priorities, (bool, np.bool_)):
+        raise bad(where, f"'actor_priorities' should be true or false, found "
+                         f"{show(actor_priorities)}")
+    return Header(spec, capacity, lanes, next_obs, episode_spec, episode_capacity,
+                  bool(actor_priorities))
 
 
 def check_size(header: Header, capacity: int, given: bool, where: str) -> None:
@@ -133,7 +140,8 @@ def check_size(header: Header, capacity: int, given: bool, where: str) -> None:
     spec, lanes, ep_spec = header.spec, header.lanes, header.episode_spec
     ep_cap = header.episode_capacity
     ep_cap = ep_cap if ep_cap is not None else max(64, capacity // 8)
-    size = (capacity * lanes * (spec.row_nbytes + 2 * L.WORD)
+    slot_words = 2 + (len(L.PRIORITY_COLUMNS) if header.actor_priorities else 0)
+    size = (capacity * lanes * (spec.row_nbytes + slot_words * L.WORD)
             + ep_cap * lanes * (4 * L.WORD + (ep_spec.row_nbytes if ep_spec else 0)))
     if capacity <= MAX_INDEX and size <= MAX_SEGMENT_BYTES:
         return
@@ -185,12 +193,13 @@ class Contents:
     fields: dict[str, np.ndarray]
     meta: np.ndarray
     records: Records | None  # None: the checkpoint predates episode records
+    priorities: dict[str, np.ndarray] | None = None  # ``PRIORITY_COLUMNS``; None: none kept
 
 
 def check_contents(doc: Mapping[str, Any], header: Header, rows: int, form: Form[C],
                    where: str) -> Contents:
-    """Check ``doc``'s ``per_lane``, ``fields``, ``meta`` and ``episodes`` against ``header``
-    and the row count; return them as arrays."""
+    """Check ``doc``'s ``per_lane``, ``fields``, ``meta``, ``priorities`` and ``episodes``
+    against ``header`` and the row count; return them as arrays."""
     lanes = _check_lanes(entry(doc, "per_lane", where), header.lanes, header.capacity, rows, where)
     spec = header.spec
     fields = form.columns(entry(doc, "fields", where), list(spec), "'fields'", "field", where)
@@ -201,7 +210,43 @@ def check_contents(doc: Mapping[str, Any], header: Header, rows: int, form: Form
     _check_column(meta, (rows,), WORD_DTYPE, what, where)
     arrays = {name: form.array(fields[name], f"field {name!r}", where) for name in spec}
     return Contents(lanes, arrays, form.array(meta, what, where),
-                    _check_episodes(doc, header, form, where) if "episodes" in doc else None)
+                    _check_episodes(doc, header, form, where) if "episodes" in doc else None,
+                    _check_priorities(doc, header, rows, form, where))
+
+
+def _check_priorities(doc: Mapping[str, Any], header: Header, rows: int, form: Form[C],
+                      where: str) -> dict[str, np.ndarray] | None:
+    """The actor priorities (``snapshot.PRIORITY_COLUMNS``) of an ``actor_priorities``
+    checkpoint: one entry per column, ``[rows]`` each; every value finite and >= 0 (what a
+    writer accepts), every ``given`` 0 or 1. None for a checkpoint without them."""
+    if not header.actor_priorities:
+        if "priorities" in doc:
+            raise bad(where, "'priorities' (the actor priorities) is there but 'actor_priorities' "
+                             "is not true; a checkpoint of a buffer without actor priorities has "
+                             "none")
+        return None
+    names = [name for name, _ in PRIORITY_COLUMNS]
+    section = entry(doc, "priorities", where)
+    if not isinstance(section, Mapping) or sorted(map(str, section)) != sorted(names):
+        raise bad(where, f"'priorities' (the actor priorities) should be a dict with "
+                         f"{' and '.join(map(repr, names))}, found {show(section)}")
+    arrays = {}
+    for name, dtype in PRIORITY_COLUMNS:
+        what = f"'priorities' {name!r} (the actor priorities)"
+        column = form.column(section[name], what, where)
+        _check_column(column, (rows,), dtype, what, where)
+        arrays[name] = form.array(column, what, where)
+    values, given = arrays["values"], arrays["given"]
+    wrong = np.flatnonzero(~(np.isfinite(values) & (values >= 0)))
+    if wrong.size:
+        raise bad(where, f"'priorities' 'values' (the actor priorities) holds "
+                         f"{float(values[wrong[0]])!r} at row {int(wrong[0])} ({wrong.size} "
+                         f"row(s) in all); every actor priority should be a finite number >= 0")
+    wrong = np.flatnonzero(given > 1)
+    if wrong.size:
+        raise bad(where, f"'priorities' 'given' holds {int(given[wrong[0]])} at row "
+                         f"{int(wrong[0])}; every row's should be 1 (a priority was given) or 0")
+    return arrays
 
 
 def _check_episodes(doc: Mapping[str, Any], header: Header, form: Form[C], where: str) -> Records:
