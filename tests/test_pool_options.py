@@ -416,14 +416,14 @@ def _cluster_options() -> Any:
 def test_cluster_earlier_keywords_build_the_new_forms_options_with_one_warning():
     options = _cluster_options()
     new = options({}, Prioritized(alpha=0.3, beta=0.5, eps=1e-3),
-                  RateLimit(10, 2.0, 64), Workers(2, start_method="spawn"))
-    assert new == (Prioritized(alpha=0.3, beta=0.5, eps=1e-3), RateLimit(10, 2.0, 64),
+                  RateLimit(10, 2.0, 64), None, Workers(2, start_method="spawn"))
+    assert new == (Prioritized(alpha=0.3, beta=0.5, eps=1e-3), RateLimit(10, 2.0, 64), None,
                    Workers(2, start_method="spawn"))
     legacy = dict(sampler="prioritized", alpha=0.3, beta=0.5, eps=1e-3, min_size=10,
                   samples_per_insert=(2.0, 64), workers_per_node=2, start_method="spawn")
     with pytest.warns(DeprecationWarning) as record:
         line = inspect.currentframe().f_lineno + 1
-        got = options(legacy, None, None, None)
+        got = options(legacy, None, None, None, None)
     assert got == new
     deprecations = [w for w in record if issubclass(w.category, DeprecationWarning)]
     assert len(deprecations) == 1
@@ -432,30 +432,38 @@ def test_cluster_earlier_keywords_build_the_new_forms_options_with_one_warning()
     assert message.startswith(f"ClusterSampler({', '.join(k + '=' for k in sorted(legacy))}) "
                               f"{DEPRECATED}: write ClusterSampler(cluster, batch_size, ")
     spelled = re.search(r"batch_size, (.*)\) \(Workers", message).group(1)
-    assert options({}, **{"selection": None, "limit": None, "workers": None,
+    assert options({}, **{"selection": None, "limit": None, "plan": None, "workers": None,
                           **eval(f"dict({spelled})", {}, SPELLING)}) == new  # noqa: S307
 
 
 def test_cluster_options_refuse_what_the_cluster_does_not_take():
     options = _cluster_options()
-    assert options({}, "queue", None, None) == (Queue(), None, Workers(1,
-                                                                       start_method="forkserver"))
-    assert options({}, None, None, 3)[2] == Workers(3, start_method="forkserver")
+    assert options({}, "queue", None, None, None) == (
+        Queue(), None, None, Workers(1, start_method="forkserver"))
+    assert options({}, None, None, None, 3)[3] == Workers(3, start_method="forkserver")
+    assert options({}, "epoch", None, Plan(sequence_length=4), None)[:3] == (
+        Epoch(), None, Plan(sequence_length=4))
     with pytest.raises(OptionError, match="selection= was given beside sampler="):
-        options({"sampler": "queue"}, Queue(), None, None)
+        options({"sampler": "queue"}, Queue(), None, None, None)
     with pytest.raises(OptionError, match=r"workers= was given beside workers_per_node=, which "
                                           r"now go into it: pass workers=Workers\(n=2\)"):
-        options({"workers_per_node": 2}, None, None, 2)
+        options({"workers_per_node": 2}, None, None, None, 2)
     with pytest.raises(OptionError, match=r"alpha belongs to prioritized sampling"):
-        options({"alpha": 0.3}, None, None, None)
+        options({"alpha": 0.3}, None, None, None, None)
+    with pytest.raises(ValueError, match=r"Queue\(\) delivers single stored transitions"):
+        options({}, Queue(), None, Plan(frame_stack=4), None)
+    with pytest.raises(TypeError, match=r"plan=\{'sequence_length': 4\}: pass a "
+                                        r"shmbuf.sampling.Plan"):
+        options({}, None, None, {"sequence_length": 4}, None)
     with pytest.raises(TypeError) as info:
-        options({"sequence_length": 4}, None, None, None)
+        options({"sequence_length": 4}, None, None, None, None)
     assert type(info.value) is TypeError
     assert str(info.value) == ("ClusterSampler() got an unexpected keyword argument "
                                "'sequence_length'")
-    with pytest.raises(ValueError, match=r"selection=Epoch\(.*\): a cluster samples with "
-                                         r"Uniform\(\), Prioritized\(\.\.\.\) or Queue\(\)"):
-        options({}, Epoch(), None, None)
+    with pytest.raises(ValueError, match=r"selection=Counted\(.*\): a cluster samples with "
+                                         r"Uniform\(\), Prioritized\(\.\.\.\), Queue\(\) "
+                                         r"or Epoch\(\.\.\.\)"):
+        options({}, Counted(2), None, None, None)
 
 
 class _Stop(Exception):
