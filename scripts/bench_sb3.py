@@ -8,7 +8,9 @@ In the same rounds (ratios are taken side by side; this machine is noisy):
   - train: env steps per second of ``model.learn`` (acting, adding, sampling and the gradient
     step, on one CPU thread): SAC on Pendulum-v1 (one env, a gradient step per env step) and DQN
     on CartPole-v1 (4 envs, a gradient step every 4 steps), each model made afresh per round
-    with the same seed, with each buffer class.
+    with the same seed, with each buffer class; and the share of that time spent inside the
+    buffer's ``add`` and ``sample`` (timed around each call), which the noise of a whole
+    training step hides less.
 
 The ops show what the buffer itself costs; the train rows show what that costs in the loop a
 user runs. Benchmarks report, they do not gate. Needs the ``sb3`` extra (torch, gymnasium).
@@ -76,30 +78,50 @@ def _op_cases(closing: list[Any]) -> list[list[TimedCase]]:
     return groups
 
 
-TRAINING = {  # name: (algorithm, env, n_envs, model kwargs)
-    "SAC Pendulum-v1, 1 env": ("SAC", "Pendulum-v1", 1, dict(learning_starts=200)),
-    "DQN CartPole-v1, 4 envs": ("DQN", "CartPole-v1", 4, dict(learning_starts=500,
-                                                              train_freq=4)),
+TRAINING = {  # name: (algorithm, env, n_envs, env steps timed per round, model kwargs)
+    "SAC Pendulum-v1, 1 env": ("SAC", "Pendulum-v1", 1, 1_000, dict(learning_starts=200)),
+    "DQN CartPole-v1, 4 envs": ("DQN", "CartPole-v1", 4, 12_000, dict(learning_starts=500,
+                                                                      train_freq=4)),
 }
 
 
-def _train_rate(name: str, shmbuf_buffer: bool, steps: int) -> float:
-    """Env steps per second of ``learn(steps)`` after ``learning_starts`` (a fresh model)."""
+def _timed(obj: Any, name: str, spent: list[float]) -> None:
+    """Add the seconds each call of ``obj.name`` takes to ``spent[0]``."""
+    method = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    setattr(obj, name, timed)
+
+
+def _train_rate(name: str, shmbuf_buffer: bool, scale: float) -> tuple[float, float]:
+    """(env steps per second of ``learn`` past ``learning_starts``, a fresh model; the share
+    of that time spent in the buffer's ``add`` and ``sample``)."""
     import stable_baselines3 as sb3
     from stable_baselines3.common.env_util import make_vec_env
 
     from shmbuf.integrations.sb3 import ReplayBuffer as ShmbufBuffer
 
-    algo, env_id, n_envs, kwargs = TRAINING[name]
+    algo, env_id, n_envs, steps, kwargs = TRAINING[name]
+    steps = max(100, int(steps * scale))
     env = make_vec_env(env_id, n_envs=n_envs, seed=0)
     extra = {"replay_buffer_class": ShmbufBuffer} if shmbuf_buffer else {}
     model = getattr(sb3, algo)("MlpPolicy", env, seed=0, device="cpu", verbose=0, **kwargs,
                                **extra)
     try:
         model.learn(kwargs["learning_starts"] + 100)  # past learning_starts: training runs
+        spent = [0.0]
+        _timed(model.replay_buffer, "add", spent)
+        _timed(model.replay_buffer, "sample", spent)
         t0 = time.perf_counter()
         model.learn(steps, reset_num_timesteps=False)
-        return steps / (time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        return steps / took, spent[0] / took
     finally:
         close = getattr(model.replay_buffer, "close", None)
         if close is not None:
@@ -111,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     run_options = benchlib.add_run_options(p, "short rounds (< 1 min)", 0.25, 0.05)
     p.add_argument("--part", choices=["all", "ops", "train"], default="all")
-    p.add_argument("--train-steps", type=int, default=None,
-                   help="env steps timed per training round (default 2000, 400 with --quick)")
+    p.add_argument("--train-scale", type=float, default=None,
+                   help="env steps timed per training round, as a share of the defaults "
+                        "(SAC 1,000, DQN 12,000; 0.2 with --quick)")
     args = p.parse_args(argv)
     rounds, seconds = run_options(args)
-    steps = args.train_steps or (400 if args.quick else 2000)
+    scale = args.train_scale or (0.2 if args.quick else 1.0)
     import torch
 
     torch.set_num_threads(1)  # one thread each: the ratio is the buffer's, not the BLAS's
@@ -137,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                 pairs = []
                 for k in range(rounds):
                     print(f"  train {name}: round {k + 1}/{rounds}", file=sys.stderr, flush=True)
-                    sb3_rate = _train_rate(name, False, steps)
-                    ours = _train_rate(name, True, steps)
-                    pairs.append((sb3_rate, ours))
-                ratios = sorted(o / s for s, o in pairs)
+                    pairs.append((_train_rate(name, False, scale), _train_rate(name, True, scale)))
+                ratios = sorted(o[0] / s[0] for s, o in pairs)
                 results[f"train {name}"] = {
-                    "sb3_steps_per_s": statistics.median(s for s, _ in pairs),
-                    "shmbuf_steps_per_s": statistics.median(o for _, o in pairs),
+                    "sb3_steps_per_s": statistics.median(s[0] for s, _ in pairs),
+                    "shmbuf_steps_per_s": statistics.median(o[0] for _, o in pairs),
+                    "sb3_buffer_share": statistics.median(s[1] for s, _ in pairs),
+                    "shmbuf_buffer_share": statistics.median(o[1] for _, o in pairs),
                     "ratio": {"median": statistics.median(ratios), "min": ratios[0],
                               "max": ratios[-1], "rounds": ratios}}
     except KeyboardInterrupt:
@@ -160,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("train"):
             print(f"{name:<40} SB3 {r['sb3_steps_per_s']:>8.0f} steps/s  shmbuf "
                   f"{r['shmbuf_steps_per_s']:>8.0f} steps/s  {q['median']:.3f}x "
-                  f"({q['min']:.3f}-{q['max']:.3f})")
+                  f"({q['min']:.3f}-{q['max']:.3f}); in add + sample: SB3 "
+                  f"{r['sb3_buffer_share']:.1%}, shmbuf {r['shmbuf_buffer_share']:.1%} of the time")
         else:
             print(f"{name:<40} SB3 {benchlib.fmt_us(r['sb3_us']):>10}  shmbuf "
                   f"{benchlib.fmt_us(r['shmbuf_us']):>10}  {q['median']:.2f}x "

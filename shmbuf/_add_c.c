@@ -973,10 +973,99 @@ static PyTypeObject AddMethodType = {
 };
 
 /* ---------------------------------------------------------------------------------------- */
+/* One row in each of several lanes                                                          */
+/* ---------------------------------------------------------------------------------------- */
+
+/* put_lanes(stores, index, meta, values): row e of every value ([n, *shape], one per stored
+ * column; values past those are not stored) at index[e] of stores[e]'s lane, with meta word
+ * meta[e]: each row by store_row, lane after lane, as put() stores one (a vector writer's step
+ * of every env: store.py CompiledLanesStore). The stores are of one spec. A failed copy leaves
+ * that lane's slot as store_row says, and the lanes after it untouched. */
+static PyObject *put_lanes(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "put_lanes() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *stores = PySequence_Fast(args[0], "stores must be a sequence");
+    if (stores == NULL) return NULL;
+    PyArrayObject *index = NULL, *meta = NULL;
+    PyObject *seq = NULL, *result = NULL, *held[MAX_FIELDS] = {NULL};
+    Src src[MAX_FIELDS];
+    Py_ssize_t nv = 0, n = PySequence_Fast_GET_SIZE(stores);
+    LaneStore *st0 = NULL;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        PyObject *st = PySequence_Fast_GET_ITEM(stores, e);
+        if (!PyObject_TypeCheck(st, &LaneStoreType)) {
+            PyErr_SetString(PyExc_TypeError, "put_lanes(): stores must be LaneStores");
+            goto done;
+        }
+        if (!check_open((LaneStore *)st)) goto done;
+        if (st0 == NULL) st0 = (LaneStore *)st;
+        if (((LaneStore *)st)->ncolumns != st0->ncolumns) {
+            PyErr_SetString(PyExc_ValueError, "put_lanes(): stores of different specs");
+            goto done;
+        }
+    }
+    index = (PyArrayObject *)PyArray_FROMANY(args[1], NPY_INT64, 1, 1, NPY_ARRAY_CARRAY_RO);
+    meta = (PyArrayObject *)PyArray_FROMANY(args[2], NPY_INT64, 1, 1, NPY_ARRAY_CARRAY_RO);
+    if (index == NULL || meta == NULL) goto done;
+    if (PyArray_DIMS(index)[0] != n || PyArray_DIMS(meta)[0] != n) {
+        PyErr_Format(PyExc_ValueError, "put_lanes(): %zd stores, %zd indices, %zd meta words", n,
+                     (Py_ssize_t)PyArray_DIMS(index)[0], (Py_ssize_t)PyArray_DIMS(meta)[0]);
+        goto done;
+    }
+    if (n == 0) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
+    const int64_t *at = (const int64_t *)PyArray_DATA(index);
+    const int64_t *words = (const int64_t *)PyArray_DATA(meta);
+    for (Py_ssize_t e = 0; e < n; e++) {
+        if (at[e] < 0) {
+            PyErr_Format(PyExc_ValueError, "put_lanes(): index %lld < 0", (long long)at[e]);
+            goto done;
+        }
+    }
+    if ((seq = values_of(st0, args[3], "put_lanes")) == NULL) goto done;
+    nv = st0->ncolumns; /* (a pending next_obs value, if given, is not stored) */
+    for (Py_ssize_t k = 0; k < nv; k++) {
+        npy_intp rows = n;
+        if (!stage_rows(st0, k, PySequence_Fast_GET_ITEM(seq, k), &rows, &src[k], &held[k]))
+            goto done;
+    }
+    for (Py_ssize_t e = 0; e < n; e++) {
+        Src row[MAX_FIELDS];
+        for (Py_ssize_t k = 0; k < nv; k++) {
+            const npy_intp *strides = src[k].strides;
+            row[k].ptr = src[k].ptr + e * (strides ? strides[0] : st0->fields[k].nbytes);
+            row[k].strides = strides ? strides + 1 : NULL;
+        }
+        LaneStore *st = (LaneStore *)PySequence_Fast_GET_ITEM(stores, e);
+        if (store_row(st, (long long)at[e], (long long)words[e], row, nv) < 0) goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t k = 0; k < nv; k++) Py_XDECREF(held[k]);
+    Py_XDECREF(seq);
+    Py_XDECREF(index);
+    Py_XDECREF(meta);
+    Py_DECREF(stores);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"put_lanes", (PyCFunction)(void (*)(void))put_lanes, METH_FASTCALL,
+     "put_lanes(stores, index, meta, values): one row in each store's lane (store.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---------------------------------------------------------------------------------------- */
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_add_c",
                                     "A lane's store and a writer's add, compiled (optional).",
-                                    -1, NULL, NULL, NULL, NULL, NULL};
+                                    -1, module_methods, NULL, NULL, NULL, NULL};
 
 static int add_type(PyObject *m, PyTypeObject *type, const char *name) {
     if (PyType_Ready(type) < 0) return -1;

@@ -4,7 +4,7 @@ A lane's store (``lane_store``) holds the lane's cursor and publishes its rows (
 ``put`` one row, ``put_many`` rows): ``_add_c.LaneStore`` where that extension was built, else
 ``NumpyLaneStore`` (through ``slots``), with the same bytes. ``add_method`` gives a writer class
 its ``add`` for a spec, with a signature that names the fields. ``LanesStore`` puts one row in each
-of several lanes at once. Rows given with an actor priority (``actor_priorities`` buffers) are
+of several lanes at once (``CompiledLanesStore``: through the lanes' compiled stores). Rows given with an actor priority (``actor_priorities`` buffers) are
 published by a store made ``with_priorities`` (compiled or NumPy, as the lane's own): the
 priority columns are two more columns of the row, under the same stamps and ``committed``;
 ``forget_priorities`` takes back the tags of rows that were claimed but never published.
@@ -286,6 +286,47 @@ class LanesStore:
         self._columns = []
         self._slot_stamps = self._slot_meta = None  # type: ignore[assignment]
         self._committed_v = self._reserved_v = None  # type: ignore[assignment]
+
+
+class CompiledLanesStore:
+    """``LanesStore.put`` by the lanes' own compiled stores (``_add_c.put_lanes``: each row by
+    the compiled store's one protocol, lane after lane, in C), where every lane's store is
+    compiled (``lanes_store``).
+
+    Concurrency: as ``LanesStore``.
+    """
+
+    compiled = True
+
+    def __init__(self, lanes: np.ndarray, stores: Sequence[Any], fields: Sequence[Field]
+                 ) -> None:
+        self._stores = list(stores)
+        self._of = dict(zip(lanes.tolist(), self._stores))
+        self._shapes = [f.shape for f in fields]
+
+    def put(self, index: np.ndarray, meta: np.ndarray, values: Sequence[Any],
+            lanes: np.ndarray | None = None) -> None:
+        """As ``LanesStore.put``; with ``lanes``, a value may be one row for all of them."""
+        if lanes is None:
+            _compiled.put_lanes(self._stores, index, meta, values)
+            return
+        stores = [self._of[k] for k in lanes.tolist()]  # (episode ends: FINAL rows)
+        rows = [np.broadcast_to(v, (len(stores), *shape))
+                for v, shape in zip(values, self._shapes)]
+        _compiled.put_lanes(stores, np.broadcast_to(index, (len(stores),)),
+                            np.broadcast_to(meta, (len(stores),)), rows)
+
+    def release(self) -> None:
+        self._stores, self._of = [], {}
+
+
+def lanes_store(storage: BufferStorage, lanes: np.ndarray, stores: Sequence[Any]
+                ) -> LanesStore | CompiledLanesStore:
+    """The store of one row in each of ``lanes`` (their lanes' ``stores``, in order): by
+    those stores where every one is compiled, else ``LanesStore`` (NumPy)."""
+    if stores and all(getattr(st, "compiled", False) for st in stores):
+        return CompiledLanesStore(lanes, stores, list(storage.spec.values()))
+    return LanesStore(storage, lanes)
 
 
 def priority_columns(storage: BufferStorage) -> list[np.ndarray]:

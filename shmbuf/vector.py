@@ -20,7 +20,7 @@ from .checks import positive_int
 from .errors import SpecMismatchError
 from .rowcheck import RowChecker
 from .spec import Spec
-from .store import LanesStore, add_method, compiled_for, forget_priorities
+from .store import LanesStore, add_method, compiled_for, forget_priorities, lanes_store
 from .writer import LaneWriter, Writer, checked_priorities
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class VectorWriter(LaneWriter):
     def _take_lane_state(self, storage: BufferStorage, writers: list[Writer]) -> None:
         """Each lane's next index, episode and step, from the writer that took it over, and
         the store of a row in each lane."""
-        self._store = LanesStore(storage, self.lanes)
+        self._store = lanes_store(storage, self.lanes, [w._store for w in writers])
         self._next = np.array([w._next for w in writers], np.int64)
         self.episode = np.array([w.episode for w in writers], np.int64)
         self._step = np.array([w._step for w in writers], np.int64)
@@ -209,6 +209,8 @@ class VectorWriter(LaneWriter):
 
     def _per_env(self, name: str, value: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """``value`` broadcast to ``shape`` (``[num_envs, ...]``), or SpecMismatchError."""
+        if value.shape == shape:  # (as given, mostly: broadcast_to takes microseconds)
+            return value
         try:
             return np.broadcast_to(value, shape)
         except ValueError:

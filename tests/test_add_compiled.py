@@ -181,6 +181,48 @@ def test_mixed_spec_with_derived_next_obs_stores_the_same_rows_and_final_rows(mo
 
 
 @compiled_only
+@pytest.mark.parametrize("next_obs", ["stored", "derived"])
+def test_vector_writers_store_the_same_bytes_through_either_store(monkeypatch, next_obs):
+    """A step of every env (``put_lanes`` through the lanes' compiled stores, or NumPy's
+    ``LanesStore``): rows of every layout, casts, episode ends of some envs (with FINAL rows in a
+    derived buffer), across the ring's end; bad steps raise alike and change nothing."""
+    spec = shmbuf.Spec(obs=((2, 3), "float32"), img=((4, 4), "uint8"), action=((), "int64"),
+                       reward=((), "float32"))
+    n, rng = 4, np.random.default_rng(5)
+    with shmbuf.ReplayBuffer.create(spec, capacity=16, lanes=n, next_obs=next_obs) as a, \
+            shmbuf.ReplayBuffer.create(spec, capacity=16, lanes=n, next_obs=next_obs) as b:
+        with a.writer(num_envs=n) as va:
+            with monkeypatch.context() as m:
+                use_numpy_store(m)
+                vb = b.writer(num_envs=n)
+            with vb:
+                assert isinstance(va._store, store.CompiledLanesStore)
+                assert isinstance(vb._store, store.LanesStore)
+                for t in range(40):
+                    step = {"obs": rng.random((n, 2, 3), np.float32),
+                            "img": rng.integers(0, 255, (n, 4, 4)).astype(np.uint8),
+                            "action": rng.integers(0, 9, n), "reward": rng.random(n),  # a cast
+                            "next_obs": rng.random((n, 2, 3), np.float32)}
+                    if next_obs == "stored":  # (not a field of the spec then)
+                        del step["next_obs"]
+                    if t % 2:  # other layouts: reversed, Fortran-ordered, transposed rows
+                        step["obs"] = step["obs"][::-1]
+                        step["img"] = np.asfortranarray(step["img"]).transpose(0, 2, 1)
+                    if t % 5 == 4:  # one row too many, a cast NumPy refuses: nothing stored
+                        bad = dict(step, action=rng.random(n) + 0.5)
+                        same_result(va.add, vb.add, **bad)
+                        same_result(va.add, vb.add, **{k: np.concatenate([v, v[:1]])
+                                                       for k, v in step.items()})
+                        assert segment_bytes(a) == segment_bytes(b), t
+                    same_result(va.add, vb.add, **step)
+                    if t % 3 == 2:  # some envs end: derived buffers store their FINAL rows
+                        ends = rng.random(n) < 0.5
+                        np.testing.assert_array_equal(va.end_episode(ends), vb.end_episode(ends))
+                    assert segment_bytes(a) == segment_bytes(b), t
+                assert (a.committed() > 16).all()  # round the ring
+
+
+@compiled_only
 def test_wide_scalar_fields_store_the_same_bytes_through_either_store(monkeypatch):
     """Scalars wider than the compiled store's scratch (complex of two long doubles), long
     doubles and a byte-swapped field: converted by NumPy before the stores, in either store."""
