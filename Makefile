@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py shmbuf/sampling/_sumtree_c.c shmbuf/_stream_c.c
+$(STAMP): pyproject.toml setup.py $(wildcard shmbuf/*.c shmbuf/sampling/*.c workers/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[test,bench,lint]'
 	touch $(STAMP)
