@@ -32,7 +32,8 @@ class ClusterEpochs:
     A node epoch that lost rows (overwritten before its pool gathered them) ends early: its
     stream then brings a chunk of a later node epoch, which waits for the next cluster epoch,
     and the draw takes the other nodes' rows. A node whose host Ray restarted begins its epochs
-    again; a dropped node gives no more rows.
+    again; a dropped node gives no more rows. A ``next()`` that times out with its batch part
+    filled loses those rows to the epoch.
 
     What it draws on is the sampler's: its output ``out``, ``rng``, ``node_ids``, and three
     calls: ``sizes()`` (rows each node holds; 0 for a dropped node), ``poll()`` (take in the
