@@ -9,6 +9,7 @@ never sees a torn or foreign row, nor the sampler's internal ``NodeLost``; nothi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -76,6 +77,22 @@ def sample_checked(sampler, n: int) -> np.ndarray:
     return counts
 
 
+@contextlib.contextmanager
+def cluster_with_extra_node(ray_nodes, rows=(300, 300), lane=None):
+    """A cluster over the learner's node and a node added for the test (one the test may
+    lose), each holding ``rows`` self-checking rows (in ``lane``, or a free one):
+    ``(cluster_utils, extra, [learner's node, extra's], cluster)``."""
+    cluster_utils, nodes = ray_nodes
+    extra = cluster_utils.add_node(**cp.NODE_ARGS)
+    cluster_utils.wait_for_nodes(timeout=60)
+    pair = [nodes[0], extra.node_id]
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
+                       nodes=pair) as cluster:
+        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, r, lane)
+                 for k, (n, r) in enumerate(zip(pair, rows))], timeout=60)
+        yield cluster_utils, extra, pair, cluster
+
+
 def test_killed_actor_is_restarted_and_takes_its_lane_over(ray_nodes):
     _, nodes = ray_nodes
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=4096, lanes_per_node=LANES,
@@ -137,14 +154,7 @@ def test_killed_host_is_restarted_and_readopts_its_segment(ray_nodes):
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_removed_node_is_dropped_or_raises_when_strict(ray_nodes, strict):
-    cluster_utils, nodes = ray_nodes
-    extra = cluster_utils.add_node(**cp.NODE_ARGS)
-    cluster_utils.wait_for_nodes(timeout=60)
-    pair = [nodes[0], extra.node_id]
-    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
-                       nodes=pair) as cluster:
-        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 300)
-                 for k, n in enumerate(pair)], timeout=60)
+    with cluster_with_extra_node(ray_nodes) as (cluster_utils, extra, pair, cluster):
         group = cluster.actors(row_actor(pair), per_node=1, nodes=[extra.node_id],
                                strict=strict)
         with cluster.sampler(32, seed=5, timeout=90, strict=strict, rows_per_call=64,
@@ -180,14 +190,8 @@ def test_node_lost_while_polling_counts_is_dropped_or_raises_when_strict(ray_nod
     Deterministic: a queue sampler drains the remote node, so its fetches wait on its host
     (``wait_s``) when the node is removed; once Ray has failed them, the next ``next()`` (more
     than ``POLL_EVERY_S`` later) polls before it takes any row and finds the loss there."""
-    cluster_utils, nodes = ray_nodes
-    extra = cluster_utils.add_node(**cp.NODE_ARGS)
-    cluster_utils.wait_for_nodes(timeout=60)
-    pair = [nodes[0], extra.node_id]
-    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
-                       nodes=pair) as cluster:
-        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, rows, 0)
-                 for k, (n, rows) in enumerate(zip(pair, [256, 64]))], timeout=60)
+    with cluster_with_extra_node(ray_nodes, rows=(256, 64), lane=0) as (
+            cluster_utils, extra, pair, cluster):
         with cluster.sampler(32, selection=Queue(), seed=8, timeout=60, strict=strict,
                              prefetch_calls=2, wait_s=120.0) as sampler:
             deadline = time.monotonic() + 60
@@ -269,14 +273,7 @@ def test_a_node_that_comes_back_is_taken_in_with_a_new_buffer(ray_nodes):
     /dev/shm) is a new Ray node: ``cluster.add_node`` starts a host there with a new buffer,
     the running sampler draws from it (a new index in ``node_ids``), and actors start there
     again; no row is torn or foreign."""
-    cluster_utils, nodes = ray_nodes
-    extra = cluster_utils.add_node(**cp.NODE_ARGS)
-    cluster_utils.wait_for_nodes(timeout=60)
-    pair = [nodes[0], extra.node_id]
-    with ReplayCluster(cp.ROWS.fields, capacity_per_node=512, lanes_per_node=LANES,
-                       nodes=pair) as cluster:
-        ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 300)
-                 for k, n in enumerate(pair)], timeout=60)
+    with cluster_with_extra_node(ray_nodes) as (cluster_utils, extra, pair, cluster):
         with cluster.sampler(32, seed=10, timeout=90, rows_per_call=64,
                              prefetch_calls=2) as sampler:
             assert sample_checked(sampler, 10)[1] > 0
@@ -288,7 +285,7 @@ def test_a_node_that_comes_back_is_taken_in_with_a_new_buffer(ray_nodes):
             cluster_utils.wait_for_nodes(timeout=60)
             assert back.node_id not in pair  # a new Ray node
             with pytest.raises(ValueError, match="has a host"):
-                cluster.add_node(nodes[0])
+                cluster.add_node(pair[0])
             info = cluster.add_node(back.node_id)
             assert not info["adopted"] and info["size"] == 0  # a new, empty buffer
             assert sampler.node_ids == [*pair, back.node_id]

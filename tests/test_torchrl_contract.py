@@ -37,7 +37,7 @@ from torchrl.data import (  # noqa: E402
 
 from shmbuf import ShmbufError, SpecMismatchError  # noqa: E402
 from shmbuf.integrations.torchrl import CursorMismatchError, Storage  # noqa: E402
-from tests.test_torchrl import NumpySegmentTree  # noqa: E402
+from tests.test_torchrl import segment_trees  # noqa: E402, F401 (a fixture)
 
 N = 12
 CHILD_TIMEOUT = 90.0
@@ -60,19 +60,6 @@ def make(request):
             storage.close()
     made.clear()
     gc.collect()  # TorchRL's mp.Value counters live in /dev/shm: free them before the check
-
-
-@pytest.fixture
-def segment_trees(monkeypatch):
-    """TorchRL's segment trees, or a NumPy stand-in where its C++ extension does not load."""
-    from torchrl.data.replay_buffers.samplers import prioritized
-
-    if prioritized.SumSegmentTreeFp32 is None:
-        for bits in ("32", "64"):
-            monkeypatch.setattr(prioritized, f"SumSegmentTreeFp{bits}",
-                                lambda n: NumpySegmentTree(n, np.sum, 0.0))
-            monkeypatch.setattr(prioritized, f"MinSegmentTreeFp{bits}",
-                                lambda n: NumpySegmentTree(n, np.min, np.inf))
 
 
 def rows(first: int, n: int, time: int | None = None) -> TensorDict:
@@ -312,7 +299,8 @@ def test_samplers_draw_the_same_rows(kind):
     gc.collect()
 
 
-def test_prioritized_sampler_over_the_storage(make, segment_trees):
+@pytest.mark.usefixtures("segment_trees")
+def test_prioritized_sampler_over_the_storage(make):
     rb = ReplayBuffer(storage=make(N), sampler=PrioritizedSampler(N, alpha=1.0, beta=0.5),
                       batch_size=400)
     rb.extend(rows(0, N))
