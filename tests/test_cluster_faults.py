@@ -226,35 +226,34 @@ def test_queue_batch_keeps_its_rows_when_a_node_is_lost_in_it(ray_nodes):
     without a hole (a retried batch would drop them: they were taken from their chunks).
 
     The loss is injected at the node's source (``next_chunk`` raises the sampler's own
-    ``NodeLost``) at the moment it matters: after the local node's rows went into the batch."""
+    ``NodeLost``) at the moment it matters: after some of the local node's rows went into the
+    batch. A batch of 8 chunks (128 rows of 16) makes that moment come in every batch that
+    takes local rows: the queue visits the nodes in turn, so the remote source is asked again
+    within two chunks of the first local one, even when its own chunks come late (a batch of
+    2 chunks could be filled by the local node alone, pass after pass)."""
     _, nodes = ray_nodes
     pair = nodes[:2]
     with ReplayCluster(cp.ROWS.fields, capacity_per_node=1024, lanes_per_node=LANES,
                        nodes=pair) as cluster:
         ray.get([cp.write_rows.options(**cluster.on_node(n)).remote(cluster, k, LANES, 512, 0)
                  for k, n in enumerate(pair)], timeout=60)
-        with cluster.sampler(32, selection=Queue(), seed=9, timeout=30,
+        with cluster.sampler(128, selection=Queue(), seed=9, timeout=30,
                              rows_per_call=16) as sampler:
-            local, remote = sampler._sources
-            local_chunk, remote_chunk = local.next_chunk, remote.next_chunk
-            state = {"local_rows_in_batch": False, "fired": 0}
-
-            def local_next_chunk(wait):
-                chunk = local_chunk(wait)
-                state["local_rows_in_batch"] |= chunk is not None and chunk.rows > 0
-                return chunk
+            remote = sampler._sources[1]
+            remote_chunk = remote.next_chunk
+            state = {"local_before": 0, "fired": 0}
 
             def remote_next_chunk(wait):
-                if state["local_rows_in_batch"]:
+                if sampler.rows_from[0] > state["local_before"]:  # local rows in this batch
                     state["fired"] += 1
                     raise NodeLost(pair[1], f"node {pair[1][:12]} is gone (injected)")
                 return remote_chunk(wait)
 
-            local.next_chunk, remote.next_chunk = local_next_chunk, remote_next_chunk
+            remote.next_chunk = remote_next_chunk
             local_rows: list[int] = []
             with pytest.warns(NodeLostWarning, match="injected"):
-                for _ in range(40):
-                    state["local_rows_in_batch"] = False
+                for _ in range(6):
+                    state["local_before"] = int(sampler.rows_from[0])
                     batch = sampler.next()
                     assert not cp.bad_rows(batch, LANES).any()
                     local_rows += batch.indices[batch.nodes == 0].tolist()
