@@ -239,6 +239,31 @@ class PlanReader:
                 [valid[:, :, 1:], kept[:, :, None]], axis=2)
         return (ok.reshape(n, length) | ~kept).all(axis=1)
 
+    def start_share(self, rng: np.random.Generator, draws: int) -> tuple[int, float]:
+        """``(anchor rows, the share of them a batch could start at now)``: how many starts
+        uniform draws choose among is their product (a cluster splits uniform batches of
+        sequences by it). Where the lanes hold ``draws`` anchor rows or fewer, every one is
+        judged and the share is exact; else it is estimated from ``draws`` of them drawn as
+        ``_select`` draws them (with a stride: ``stride`` times as many, pre-filtered on
+        their step, up to ``STRIDE_DRAWS_MAX``)."""
+        windows = self.storage.windows()
+        anchors = self.anchor_windows(windows)
+        rows = anchors.total
+        if rows <= 0:
+            return 0, 0.0
+        if rows <= draws:
+            sizes = anchors.sizes
+            lanes = np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
+            first = np.repeat(anchors.lo - np.cumsum(sizes) + sizes, sizes)
+            draw, size = Draw(lanes, first + np.arange(rows, dtype=np.int64)), rows
+        else:
+            size = min(draws * self.stride, max(draws, STRIDE_DRAWS_MAX))
+            draw = draw_uniform(anchors, size, rng)
+            if self.stride > 1:
+                draw = self._on_stride(draw)
+        usable = self._judge(draw, windows)[1]
+        return rows, float(np.count_nonzero(usable)) / size
+
     def anchor_windows(self, windows: Windows) -> Windows:
         """Each lane's window less the ``tail_rows`` a strict window must leave after its start."""
         return Windows(windows.lo, np.maximum(windows.hi - self.tail_rows, windows.lo))

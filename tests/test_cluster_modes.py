@@ -306,3 +306,62 @@ def test_window_updates_reduce_per_window_and_refuse_bad_steps():
         window_updates(idx, prio[:, :3], None, 0.9)
     with pytest.raises(ValueError, match="mask"):
         window_updates(idx, prio[:, 0], mask, 0.9)
+
+
+def test_uniform_windows_split_by_each_nodes_window_starts(nodes):
+    """Uniform sequences over the union: every window start of every node equally likely. The
+    nodes hold the same rows in episodes of different lengths, so they hold different numbers
+    of starts (a window never crosses an episode end); split by rows, the node of short
+    episodes would get a third of every batch instead of its fifth."""
+    rows, episodes = 200, [50, 10, 5]
+    with ReplayCluster(cp.ROWS.fields, capacity_per_node=rows, lanes_per_node=1,
+                       nodes=nodes) as cluster:
+        with cluster.sampler(32, plan=Plan(sequence_length=T), rows_per_call=32,
+                             prefetch_calls=2, seed=4) as sampler:
+            # Written after the pools opened on empty buffers, then sampled once every node
+            # has reported its starts (before, batches come from the nodes already counted).
+            ray.get([cp.write_episodes.options(**cluster.on_node(n)).remote(
+                cluster, k, rows, episodes[k]) for k, n in enumerate(cluster.node_ids)],
+                timeout=60)
+            cp.wait_for(lambda: sampler.next() is not None and min(
+                node["weight"] for node in sampler.stats()["nodes"]) > 0, 60, "every node's starts")
+            starts = [np.array([s for s in range(rows - T + 1)
+                                if s // ep == (s + T - 1) // ep]) for ep in episodes]
+            counts = [np.zeros(rows, np.int64) for _ in range(3)]
+            for _ in range(150):
+                batch = sampler.next()
+                idx = batch.indices
+                assert not cp.bad_rows(batch, 1).any()
+                np.testing.assert_array_equal(idx - idx[:, :1], np.broadcast_to(np.arange(T),
+                                                                                idx.shape))
+                for k in range(3):
+                    np.add.at(counts[k], idx[batch.nodes == k, 0], 1)
+            # A buffer this small is judged whole: each node's weight is its starts, exactly.
+            weights = [node["weight"] for node in sampler.stats()["nodes"]]
+            np.testing.assert_allclose(weights, [s.size for s in starts])
+    # Only starts came, and every start of the union equally often.
+    assert all(counts[k][np.setdiff1d(np.arange(rows), starts[k])].sum() == 0
+               for k in range(3)), counts
+    cells = np.concatenate([counts[k][starts[k]] for k in range(3)])
+    assert chi_square_p(cells, np.full(cells.size, 1.0 / cells.size)) > 1e-4
+    shares = np.array([c.sum() for c in counts]) / cells.sum()
+    expected = np.array([s.size for s in starts]) / cells.size  # 188, 140, 80 of 408
+    assert np.abs(shares - expected).max() < 0.03, (shares, expected, weights)
+
+
+def test_window_starts_are_judged_again_as_the_buffer_fills():
+    """A node's count of starts follows its rows at once while the buffer fills (judged again
+    whenever its anchor rows doubled), not a second later; judged whole, it is exact."""
+    from workers.cluster.sources import WindowStarts
+
+    spec = shmbuf.Spec(cp.ROWS.fields)
+    with shmbuf.ReplayBuffer.create(spec, 200) as buf:
+        starts = WindowStarts(buf, Plan(sequence_length=T), None, 0)
+        assert starts.count() == 0.0
+        with buf.writer(lane=0) as w:
+            first = want = 0
+            for length in (10, 30, 100):  # episodes: each has length - T + 1 starts
+                w.extend(cp.ROWS.batch(0, np.arange(first, first + length)))
+                w.end_episode()
+                first, want = first + length, want + length - T + 1
+                assert starts.count() == pytest.approx(want)

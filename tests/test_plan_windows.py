@@ -303,3 +303,25 @@ def test_windows_too_long_for_every_episode_fail_naming_the_stride():
         with pytest.raises(shmbuf.errors.SamplingError, match=r"stride 2 .* Fix: "
                            r"cross_episodes=True, or a shorter sequence"):
             buf.sample(4, 0, sequence_length=4, stride=2)
+
+
+@pytest.mark.parametrize("mode", ["stored", "derived"])
+@pytest.mark.parametrize("cross_episodes", [True, False])
+def test_start_share_counts_the_starts_uniform_draws_choose_among(mode, cross_episodes):
+    """``PlanReader.start_share`` (a cluster splits uniform windows by it): judged whole, the
+    anchor rows times the share are exactly the model's drawable starts, over two lanes with a
+    stride; from a few draws at a time, the estimates average to the same count (unbiased)."""
+    from shmbuf.reader import PlanReader
+
+    buf, model = _written(mode)
+    with buf:
+        compiled = buf.compile(**{**LONG_PLAN, "cross_episodes": cross_episodes})
+        want = len(model.drawable(compiled))
+        reader = PlanReader(buf.storage, compiled)
+        rng = np.random.default_rng(5)
+        rows, share = reader.start_share(rng, draws=4096)
+        assert rows <= 4096 and rows * share == pytest.approx(want)
+        estimates = np.array([np.prod(reader.start_share(rng, draws=8)) for _ in range(400)])
+        assert rows > 8 and estimates.std() > 0  # (estimated: not judged whole)
+        assert abs(estimates.mean() - want) < 4 * estimates.std() / np.sqrt(estimates.size), \
+            (estimates.mean(), want)

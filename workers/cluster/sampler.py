@@ -8,7 +8,8 @@ node through shared memory, the others gathered on their node and shipped as Ray
 batches' worth per call, several calls in flight.
 
 Each row of a uniform batch comes from node k with probability ``size_k / total`` and is then
-drawn uniformly from node k: every row held is equally likely (prioritized: node k with
+drawn uniformly from node k: every row held is equally likely (with a plan: node k's window
+starts, ``sources.WindowStarts``, for ``size_k``: every start is; prioritized: node k with
 probability ``T_k / T``, then row i with ``p_i / T_k``: ``p_i / T`` in all; the importance
 weights use the smallest priority of all nodes). The split uses the counts last reported; rows
 prefetched from a node were drawn up to ``prefetch_calls * rows_per_call`` rows earlier. A
