@@ -238,6 +238,15 @@ EPISODE = 10  # the sequence tests' rows: an episode ends after every 10 of a no
 T = 4
 
 
+def next_windows(sampler):
+    """The sampler's next batch, its rows whole and each window T consecutive rows."""
+    batch = sampler.next()
+    assert not cp.bad_rows(batch, 1).any()
+    idx = batch.indices
+    np.testing.assert_array_equal(idx - idx[:, :1], np.broadcast_to(np.arange(T), idx.shape))
+    return batch
+
+
 def test_prioritized_windows_over_the_union_with_b_t_updates(nodes):
     rows_per_node = [200, 100, 50]
     eta, beta = 0.9, 0.5
@@ -272,11 +281,8 @@ def test_prioritized_windows_over_the_union_with_b_t_updates(nodes):
             v_min = value.min()
             cells = np.zeros((3, 3), np.int64)
             for _ in range(200):
-                batch = sampler.next()
+                batch = next_windows(sampler)
                 idx = batch.indices
-                assert not cp.bad_rows(batch, 1).any()
-                np.testing.assert_array_equal(idx - idx[:, :1], np.broadcast_to(np.arange(T),
-                                                                                idx.shape))
                 assert (idx // EPISODE == idx[:, :1] // EPISODE).all()  # never across an end
                 v = value[[int(np.flatnonzero((nd == k) & (st == s))[0])
                            for k, s in zip(batch.nodes.tolist(), idx[:, 0].tolist())]]
@@ -329,11 +335,8 @@ def test_uniform_windows_split_by_each_nodes_window_starts(nodes):
                                 if s // ep == (s + T - 1) // ep]) for ep in episodes]
             counts = [np.zeros(rows, np.int64) for _ in range(3)]
             for _ in range(150):
-                batch = sampler.next()
+                batch = next_windows(sampler)
                 idx = batch.indices
-                assert not cp.bad_rows(batch, 1).any()
-                np.testing.assert_array_equal(idx - idx[:, :1], np.broadcast_to(np.arange(T),
-                                                                                idx.shape))
                 for k in range(3):
                     np.add.at(counts[k], idx[batch.nodes == k, 0], 1)
             # A buffer this small is judged whole: each node's weight is its starts, exactly.
