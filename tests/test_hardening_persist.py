@@ -368,6 +368,7 @@ STATE_CASES = [
     ("per_lane.0.episode_start", -1, CheckpointError, "episode_start"),
     ("per_lane.0.episode_start", 6, CheckpointError, "episode_start"),  # past the lane's end
     ("per_lane.0.first", 2**62, CheckpointError, "first"),
+    ("per_lane.0.first", 2**47, CheckpointError, "first"),  # its stamps would reach the version bits
     ("per_lane.0.first", -3, CheckpointError, "first"),
     ("per_lane.0.first", "0", CheckpointError, "first"),
     ("per_lane.0.first", 0.5, CheckpointError, "first"),
@@ -472,6 +473,7 @@ MANIFEST_CASES = [
     ("rows", DELETE, "rows"),
     ("per_lane.0.first", 2**63, "first"),
     ("per_lane.0.first", 2**61, "first"),
+    ("per_lane.0.first", 2**47 - 2, "first"),  # its stamps would reach the version bits
     ("per_lane.0.first", -1, "first"),
     ("per_lane.0.first", "0", "first"),
     ("per_lane.0.count", 9, "count"),

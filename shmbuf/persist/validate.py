@@ -14,10 +14,13 @@ import numpy as np
 
 from .. import layout as L
 from ..errors import CheckpointError
+from ..slots import MAX_ROW_INDEX
 from ..spec import Spec
 from .snapshot import PRIORITY_COLUMNS, RECORD_COLUMNS, LaneRows, Records
 
-MAX_INDEX = 1 << 61  # largest logical index or capacity a checkpoint may name (stamps 2i+2: int64)
+# One past the largest logical index a checkpoint may restore (and the largest capacity): a
+# row's stamp 2i+2 must stay below the rewrite version's bits (``slots.MAX_ROW_INDEX``).
+MAX_INDEX = MAX_ROW_INDEX + 1
 MAX_EPISODE = (1 << 31) - 1  # episode ids sit above STEP_BITS in the int64 meta word (the
 # record table alone would allow more: episodes.MAX_EPISODE; a lane's rows would not)
 MAX_SEGMENT_BYTES = 1 << 62  # a buffer larger than this cannot exist; a checkpoint saying so is bad
