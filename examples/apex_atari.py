@@ -28,7 +28,6 @@ uniformly random policy's mean return instead, and exits. It prints one line per
 from __future__ import annotations
 
 import argparse
-import inspect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -237,19 +236,6 @@ def n_step_priorities(rewards: np.ndarray, q_taken: np.ndarray, q_best: np.ndarr
     return np.abs(returns + gamma ** m * q_best[i + m] - q_taken[:count])
 
 
-def actor_priorities_landed() -> bool:
-    """Whether buffers keep the priorities actors give with their rows (issue 29, part 1:
-    ``ReplayBuffer.create(..., actor_priorities=True)`` and ``Writer.extend(rows,
-    priorities=ps)``).
-
-    TODO(issue 29 part 1): drop this check once actor priorities have landed; until then rows
-    enter the priority table at the maximum priority, and the priorities the actors compute
-    are only summed.
-    """
-    return ("actor_priorities" in inspect.signature(shmbuf.ReplayBuffer.create).parameters
-            and "priorities" in inspect.signature(shmbuf.Writer.extend).parameters)
-
-
 class Unwritten:
     """One actor's steps of the current episode that are not written yet, with what their
     priorities need: step t can be written once the actor has acted n steps past it (its
@@ -405,15 +391,11 @@ def make_actor(cfg: ActorConfig) -> Callable[[Any], None]:
     def actor(ctx: Any) -> None:
         torch.set_num_threads(1)
         weights = shmbuf.WeightStore.attach(cfg.weights)
-        with_priorities = bool(getattr(ctx.buffer, "actor_priorities", False))
 
         def write(rows: dict[str, np.ndarray], priorities: np.ndarray) -> None:
             while True:  # the learner may hold the actors back (samples per insert)
                 try:
-                    if with_priorities:
-                        ctx.writer.extend(rows, priorities=priorities)
-                    else:  # TODO(issue 29 part 1): see actor_priorities_landed
-                        ctx.writer.extend(rows)
+                    ctx.writer.extend(rows, priorities=priorities)
                     return
                 except RateLimitTimeout:
                     if ctx.stopping:
@@ -519,11 +501,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                              max(8 * args.batch_size, 4 * args.flush_rows * (spi or 0)))
     plan = Plan(frame_stack=args.frame_stack, n_step=args.n_step, gamma=args.gamma)
     pool_device = args.device if args.device.startswith("cuda") else None
-    landed = actor_priorities_landed()
-    keep_priorities: dict[str, Any] = {"actor_priorities": True} if landed else {}
     with shmbuf.ReplayBuffer.create(spec, args.capacity // args.actors, lanes=args.actors,
                                     next_obs="derived", episode_spec=EPISODE_SPEC,
-                                    **keep_priorities) as buf, \
+                                    actor_priorities=True) as buf, \
             shmbuf.WeightStore.create(template=learner.online.state_dict()) as weights:
         published = weights.publish(learner.online)  # version 1, before any actor starts
         cfg = ActorConfig(args.env, args.actors, weights.name, args.frame_stack, args.n_step,
@@ -538,8 +518,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             print(f"{args.env}: {args.actors} actors (epsilons "
                   f"{', '.join(f'{apex_epsilon(i, args.actors):.4f}' for i in range(args.actors))}"
                   f"), buffer {buf.name}, weights {weights.name}, batch {args.batch_size}, "
-                  f"frame stack {args.frame_stack}, n-step {args.n_step}, actor priorities "
-                  f"{'on' if landed else 'off (max priority: issue 29 part 1)'}",
+                  f"frame stack {args.frame_stack}, n-step {args.n_step}, actor priorities",
                   flush=True)
             t0 = time.monotonic()
             last_t, last_steps, last_updates = t0, 0, 0

@@ -28,7 +28,6 @@ and ``minatar``, or ``ale-py`` and ``opencv-python-headless``: ``pip install -e 
 from __future__ import annotations
 
 import argparse
-import inspect
 import time
 from collections import deque
 from typing import Any
@@ -44,10 +43,6 @@ from workers.config import Workers
 from workers.selection import Prioritized
 
 FIELDS = ["obs", "action", "reward", "terminated", "h", "c"]  # what the learner reads
-# Actor-side priorities (issue 29 part 1): each window start enters the table at the priority
-# its actor computed (``writer.extend(rows, priorities=ps)`` into an ``actor_priorities``
-# buffer). Where the writer does not take them yet, starts enter at the maximum priority.
-ACTOR_PRIORITIES = "priorities" in inspect.signature(shmbuf.Writer.extend).parameters
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -205,8 +200,7 @@ class PendingWindows:
     Priorities come from the actor's own Q-values (Ape-X: the local network is both online
     and target), reduced per window as the learner's are (``window_priority``)."""
 
-    def __init__(self, args: argparse.Namespace, prioritized: bool) -> None:
-        self.prioritized = prioritized  # the buffer takes actor priorities
+    def __init__(self, args: argparse.Namespace) -> None:
         self.stride, self.burn = args.stride, args.burn_in
         self.length, self.n, self.gamma, self.eta = (args.burn_in + args.train_len, args.n_step,
                                                      args.gamma, args.eta)
@@ -227,16 +221,13 @@ class PendingWindows:
 
     def write(self, writer: Any, terminated: bool) -> None:
         """Write the first ``stride`` pending steps (a window start, then the steps up to the
-        next one), the start with its window's priority if the buffer takes actor priorities.
+        next one), the start with its window's priority.
         ``terminated``: the pending steps end the episode by termination (no bootstrap)."""
         count = min(self.stride, len(self.q))
         rows = {name: np.stack(values[:count]) for name, values in self.rows.items()}
-        if self.prioritized:
-            priorities = np.zeros(count)
-            priorities[0] = self.window_priority(terminated)
-            writer.extend(rows, priorities=priorities)
-        else:
-            writer.extend(rows)
+        priorities = np.zeros(count)  # the rows after the start start no window of their own
+        priorities[0] = self.window_priority(terminated)
+        writer.extend(rows, priorities=priorities)
         for values in self.rows.values():
             del values[:count]
         del self.q[:count]
@@ -274,7 +265,7 @@ def make_actor(args: argparse.Namespace, store_name: str) -> Any:
         # Ape-X's per-actor epsilon: 0.4 ** (1 + 7 i / (N - 1))
         epsilon = 0.4 ** (1 + 7 * ctx.actor_id / max(n_actors - 1, 1))
         zero = np.zeros(env.frame_shape, env.frame_dtype)
-        pending = PendingWindows(args, ACTOR_PRIORITIES and ctx.buffer.actor_priorities)
+        pending = PendingWindows(args)
         try:
             while not ctx.stopping:
                 frame = env.reset()
@@ -370,13 +361,11 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     selection = Prioritized(alpha=args.alpha, beta=args.beta, eta=args.eta)
     limit = shmbuf.RateLimit(min_size=max(args.learning_starts, length + 1))
     print(f"env {args.env}: frames {frame_shape} {frame_dtype}, {n_actions} actions; windows "
-          f"of {burn} + {args.train_len} steps every {args.stride}, frame stack {k}; actor "
-          f"priorities {'available' if ACTOR_PRIORITIES else 'not yet (max priority)'}",
-          flush=True)
-    extra = {"actor_priorities": True} if ACTOR_PRIORITIES else {}
+          f"of {burn} + {args.train_len} steps every {args.stride}, frame stack {k}; each "
+          f"window start at its actor's priority", flush=True)
     with shmbuf.ReplayBuffer.create(spec, args.buffer_size, lanes=args.actors,
                                     next_obs="derived", episode_spec={"return": ((), "float32")},
-                                    **extra) as buf, \
+                                    actor_priorities=True) as buf, \
             shmbuf.WeightStore.create(template=online.state_dict()) as store:
         store.publish(online)
         with ActorGroup(make_actor(args, store.name), args.actors, buf,

@@ -11,6 +11,11 @@ a warning, by this release), so any commit can be the base:
     (cd /tmp/base && python setup.py build_ext --inplace -q)
     python scripts/bench_hot.py --base /tmp/base --rounds 5
 
+``--base-env NAME=VALUE`` (repeatable) runs the base side with those variables set, on this
+checkout unless ``--base`` names another: what a compiled extension buys, for example
+``--base-env SHMBUF_TAKE=python`` (``next()``), ``SHMBUF_STORE=numpy`` (``add``/``extend``),
+``SHMBUF_STREAM=off`` (large rows through the caches) or ``SHMBUF_SUMTREE=numpy``.
+
 Rows: a learner's ``next()`` after a 5 ms train step (Atari rows, B=256, 1 and 4 workers: p50),
 ``next()`` back to back (1 and 2 workers: batches/s), ``Writer.add`` and ``extend(1000)`` of
 MuJoCo-sized (17 float64 obs, a 6-d action) and Atari-sized (4x84x84 uint8) rows, and an
@@ -134,16 +139,18 @@ def measure(row: str) -> float:
         return _best(step, 200) * 1e6
 
 
-def _one(root: str, row: str) -> float:
+def _one(root: str, row: str, env: dict[str, str]) -> float:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", row],
-                         env={**os.environ, "PYTHONPATH": root}, cwd=root, capture_output=True,
-                         text=True, check=True).stdout
+                         env={**os.environ, **env, "PYTHONPATH": root}, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
     return float(json.loads(out.strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="the checkout to compare against (built in place)")
+    p.add_argument("--base-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set this in the base side's processes (base: this checkout by default)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--only", action="append", choices=ROWS, help="these rows only")
     p.add_argument("--measure", choices=ROWS, help=argparse.SUPPRESS)
@@ -152,20 +159,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args.measure)))
         return 0
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    roots = {"new": here, **({"base": os.path.abspath(args.base)} if args.base else {})}
-    print(f"bench_hot: {args.rounds} rounds, alternating {', '.join(roots)}; "
+    if any("=" not in item for item in args.base_env):
+        p.error(f"--base-env takes NAME=VALUE, got {args.base_env}")
+    base_env = dict(item.split("=", 1) for item in args.base_env)
+    compare = bool(args.base or base_env)
+    roots = {"new": here, **({"base": os.path.abspath(args.base or here)} if compare else {})}
+    envs = {"new": {}, "base": base_env}
+    print(f"bench_hot: {args.rounds} rounds, alternating {', '.join(roots)}"
+          f"{f' (base with {base_env})' if base_env else ''}; "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
     head = f"{'row':42} {'unit':10} " + " ".join(f"{k + ' median (min-max)':>28}" for k in roots)
-    print(head + ("   new/base" if args.base else ""))
+    print(head + ("   new/base" if compare else ""))
     for row in args.only or ROWS:
         got: dict[str, list[float]] = {k: [] for k in roots}
         for r in range(args.rounds):
             for key in (list(roots) if r % 2 == 0 else list(reversed(roots))):
-                got[key].append(_one(roots[key], row))
+                got[key].append(_one(roots[key], row, envs[key]))
         unit = next(u for k, u in UNITS.items() if row.startswith(k))
         cells = [f"{statistics.median(v):12.2f} ({min(v):.2f}-{max(v):.2f})" for v in got.values()]
         line = f"{row:42} {unit:10} " + " ".join(f"{c:>28}" for c in cells)
-        if args.base:
+        if compare:
             ratio = statistics.median(got["new"]) / statistics.median(got["base"])
             better = "higher is better" if row.startswith(HIGHER_IS_BETTER) else "lower is better"
             line += f"   {ratio:.2f} ({better})"

@@ -29,11 +29,15 @@ from .spec import Field
 if TYPE_CHECKING:
     from .storage import BufferStorage
 
-stream_rows: Callable[[np.ndarray, int, Any, int], bool] | None
-try:  # optional, built where a compiler was at hand (setup.py): else NumPy stores every row
-    from ._stream_c import store_rows as stream_rows
-except ImportError:
-    stream_rows = None
+# Large rows go past the caches (``large_rows``) unless SHMBUF_STREAM=off: then every store,
+# compiled or NumPy, writes them through the caches (for measuring what streaming buys).
+STREAMING = os.environ.get("SHMBUF_STREAM", "").lower() != "off"
+stream_rows: Callable[[np.ndarray, int, Any, int], bool] | None = None
+if STREAMING:  # optional, built where a compiler was at hand (setup.py): else NumPy's stores
+    try:
+        from ._stream_c import store_rows as stream_rows
+    except ImportError:
+        pass
 
 # The compiled store and add (optional, built against NumPy's headers: a NumPy older than the
 # one it was built against raises ImportError). SHMBUF_STORE=numpy leaves them out.
@@ -59,8 +63,9 @@ PRIORITY_FIELDS = tuple(Field(name, (), dtype) for name, dtype in L.PRIORITY_COL
 
 def large_rows(field: Field) -> bool:
     """Whether rows of ``field`` are large enough to store streaming past the caches
-    (``STREAM_MIN_ROW_BYTES``): by ``stream_rows`` and by the compiled store."""
-    return field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES
+    (``STREAM_MIN_ROW_BYTES``): by ``stream_rows`` and by the compiled store (never with
+    SHMBUF_STREAM=off)."""
+    return STREAMING and field.dtype.itemsize * int(np.prod(field.shape)) >= STREAM_MIN_ROW_BYTES
 
 
 def streams(field: Field) -> bool:

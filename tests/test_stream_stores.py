@@ -11,6 +11,9 @@ the staging ring's handshakes use.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -144,3 +147,22 @@ def test_the_handshakes_fence_with_the_compiled_mfence():
 
     assert slots.full_fence is _stream_c.full_fence
     assert staging.full_fence is _stream_c.full_fence
+
+
+@pytest.mark.parametrize("env", [{"SHMBUF_STREAM": "off"}, {"SHMBUF_STREAM": "off", "SHMBUF_STORE": "numpy"}])
+def test_shmbuf_stream_off_stores_every_row_through_the_caches(env):
+    """``SHMBUF_STREAM=off`` (for measuring what streaming buys) leaves large rows to plain
+    stores in the compiled store and in NumPy's, and the rows still come back whole."""
+    code = ("import numpy as np, shmbuf\n"
+            "from shmbuf import store\n"
+            "spec = shmbuf.Spec(obs=((4, 84, 84), 'uint8'))\n"
+            "rows = np.arange(5 * 4 * 84 * 84, dtype=np.int64).reshape(5, 4, 84, 84).astype(np.uint8)\n"
+            "with shmbuf.ReplayBuffer.create(spec, 4) as b, b.writer() as w:\n"
+            "    w.add(obs=rows[0])\n"
+            "    w.extend({'obs': rows[1:]})\n"
+            "    got = b.get(np.arange(1, 5))['obs']\n"
+            "    print(store.stream_rows is None, [store.large_rows(f) for f in spec.values()],\n"
+            "          bool((got == rows[1:]).all()))\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "[False]", "True"]
