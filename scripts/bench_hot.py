@@ -17,9 +17,9 @@ checkout unless ``--base`` names another: what a compiled extension buys, for ex
 ``SHMBUF_STREAM=off`` (large rows through the caches) or ``SHMBUF_SUMTREE=numpy``.
 
 Rows: a learner's ``next()`` after a 5 ms train step (Atari rows, B=256, 1 and 4 workers: p50),
-``next()`` back to back (1 and 2 workers: batches/s), ``Writer.add`` and ``extend(1000)`` of
-MuJoCo-sized (17 float64 obs, a 6-d action) and Atari-sized (4x84x84 uint8) rows, and an
-in-process prioritized ``next()`` + ``update_priorities`` (B=256).
+``next()`` back to back (1 and 2 workers: batches/s), ``Writer.add``, ``extend(32)`` (an
+actor's flush) and ``extend(1000)`` of MuJoCo-sized (17 float64 obs, a 6-d action) and
+Atari-sized (4x84x84 uint8) rows, and an in-process prioritized ``next()`` + ``update_priorities`` (B=256).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import numpy as np
 
 ROWS = ("next after a 5 ms step, 1 worker", "next after a 5 ms step, 4 workers",
         "next back to back, 1 worker", "next back to back, 2 workers",
-        "add mujoco", "add atari", "extend(1000) mujoco", "extend(1000) atari",
+        "add mujoco", "add atari", "extend(32) mujoco", "extend(32) atari",
+        "extend(1000) mujoco", "extend(1000) atari",
         "prioritized next + update, in-process")
 UNITS = {"next after": "us p50", "next back": "batches/s", "add": "us", "extend": "us",
          "prioritized": "us"}
@@ -128,7 +129,10 @@ def measure(row: str) -> float:
             if row.startswith("add"):
                 one = {k: v[0] for k, v in many.items()}
                 return _best(lambda: w.add(**one), 2000 if kind == "mujoco" else 200) * 1e6
-            return _best(lambda: w.extend(many), 20 if kind == "mujoco" else 3) * 1e6
+            n = int(row[len("extend("):row.index(")")])
+            part = {k: v[:n] for k, v in many.items()}
+            calls = max(3, (20_000 if kind == "mujoco" else 3_000) // n)
+            return _best(lambda: w.extend(part), calls) * 1e6
     with _filled("mujoco", 100_000) as buf, \
             SamplerPool(buf, batch_size=256, n_workers=0, sampler="prioritized", seed=0) as pool:
         rng = np.random.default_rng(0)
