@@ -104,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------
 # Environments: one frame per step, channels first, uint8
 # --------------------------------------------------------------------------------------------
+def minatar_game(env_id: str) -> str:
+    """MinAtar's name of a game: ``MinAtar/SpaceInvaders`` (or ``-v1``) -> ``space_invaders``."""
+    game = env_id[len(MINATAR_PREFIX):].removesuffix("-v1")
+    return "".join("_" + ch.lower() if ch.isupper() and i else ch.lower()
+                   for i, ch in enumerate(game))
+
+
 class MinAtarEnv:
     """A MinAtar game: frames are its boolean channels as uint8 ``[C, 10, 10]``, actions its
     minimal action set; episodes are truncated at ``max_episode_steps``. No preprocessing."""
@@ -111,7 +118,7 @@ class MinAtarEnv:
     def __init__(self, env_id: str, seed: int, max_episode_steps: int) -> None:
         from minatar import Environment  # type: ignore[import-untyped]
 
-        self.env = Environment(env_id[len(MINATAR_PREFIX):].lower().removesuffix("-v1"))
+        self.env = Environment(minatar_game(env_id))
         self.env.seed(seed)
         self.actions = list(self.env.minimal_action_set())
         h, w, c = self.env.state_shape()

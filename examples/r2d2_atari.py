@@ -23,6 +23,10 @@ grey frame per step) or a MinAtar game (``MinAtar/SpaceInvaders``: 10x10 boolean
 preprocessing). Run: ``python examples/r2d2_atari.py --seconds 60`` (needs torch, gymnasium
 and ``minatar``, or ``ale-py`` and ``opencv-python-headless``: ``pip install -e '.[atari]'``).
 ``--device cuda`` trains on a GPU. It prints progress every few seconds and a ``result:`` line.
+The paper's windows (40 + 80) suit Atari's long episodes; a MinAtar episode of a young policy
+ends within 10-40 steps, inside the burn-in, leaving most windows nothing to train. For
+MinAtar: ``--burn-in 4 --train-len 16 --stride 8 --batch-size 32`` (BENCHMARKS.md, "Ape-X on
+MinAtar/ALE", has the learning runs).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ class MinAtarEnv:
                        for i, ch in enumerate(game))  # SpaceInvaders -> space_invaders
         self.env = Environment(name)
         self.env.seed(seed)
-        self.n_actions = self.env.num_actions()
+        self.actions = list(self.env.minimal_action_set())  # as ALE's, and Ape-X's example
+        self.n_actions = len(self.actions)
         self.frame_shape = tuple(self.env.state_shape())
         self.frame_dtype = np.dtype(np.bool_)
 
@@ -101,7 +106,7 @@ class MinAtarEnv:
         return self.env.state()
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool]:
-        reward, terminated = self.env.act(action)
+        reward, terminated = self.env.act(self.actions[action])
         return self.env.state(), float(reward), bool(terminated), False
 
     def close(self) -> None:
@@ -333,13 +338,21 @@ def nstep_targets(rewards: torch.Tensor, terminated: torch.Tensor, mask: torch.T
     return rescale(targets), mask & (ended | has_next)
 
 
-def recent_return(buf: shmbuf.ReplayBuffer, per_lane: int = 10) -> tuple[float, int]:
-    """(mean return of each lane's last ``per_lane`` episodes, episodes finished in all)."""
+def progress(buf: shmbuf.ReplayBuffer, last: int = 100) -> tuple[int, int, float]:
+    """(env steps, episodes finished, mean return of the last ``last`` episodes of all lanes,
+    those of each lane's last ``last // lanes``).
+
+    A lane's ``committed`` counts its rows, and a derived-next_obs buffer adds one row (the
+    final observation) per episode end: env steps are rows less episodes."""
+    lanes = buf.stats()["per_lane"]
+    steps = sum(lane["committed"] - lane["episode"] for lane in lanes)
+    episodes = sum(lane["episode"] for lane in lanes)
     rec = buf.episodes()
     if not rec["episode"].size:
-        return float("nan"), 0
-    last = [rec["return"][rec["lane"] == k][-per_lane:] for k in np.unique(rec["lane"])]
-    return float(np.concatenate(last).mean()), int(rec["episode"].size)
+        return steps, episodes, float("nan")
+    per_lane = max(1, last // buf.lanes)
+    recent = [rec["return"][rec["lane"] == k][-per_lane:] for k in np.unique(rec["lane"])]
+    return steps, episodes, float(np.concatenate(recent).mean())
 
 
 def train(args: argparse.Namespace) -> dict[str, float]:
@@ -398,7 +411,12 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                         batch["terminated"][:, burn:].to(device), mask[:, burn:],
                         q_target.gather(2, best).squeeze(2), args.n_step, args.gamma)
                 td = (taken - y) * valid
+                # importance weights scaled by the batch's largest, as Acme's R2D2: the
+                # buffer-wide normalisation (P_i / P_min)^-beta lets the windows that train no
+                # step (priority 0, short episodes) shrink every other window's weight, and the
+                # loss with it, by 100-1000x (Adam's eps of 1e-3 then all but stops learning)
                 weights = torch.as_tensor(batch.weights).to(device)[:, None]
+                weights = weights / weights.max()
                 loss = (weights * td.pow(2)).sum() / valid.sum().clamp(min=1)
                 optimizer.zero_grad()
                 loss.backward()
@@ -421,13 +439,13 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                 if time.monotonic() >= next_report:
                     actors.poll()  # re-raises an actor's exception, restarts a crashed one
                     loss_value = loss.item()
-                    ret, episodes = recent_return(buf)
-                    print(f"{time.monotonic() - t0:5.1f}s  env steps {len(buf):7d}  updates "
+                    steps, episodes, ret = progress(buf)
+                    print(f"{time.monotonic() - t0:5.1f}s  env steps {steps:7d}  updates "
                           f"{updates:5d}  trained steps {trained:7d}  episodes {episodes:4d}  "
                           f"recent return {ret:6.2f}  loss {loss_value:.4f}", flush=True)
                     next_report = time.monotonic() + 2.0
-            ret, episodes = recent_return(buf)
-            result = {"seconds": time.monotonic() - t0, "env_steps": len(buf),
+            steps, episodes, ret = progress(buf)
+            result = {"seconds": time.monotonic() - t0, "env_steps": steps,
                       "updates": updates, "trained_steps": trained, "episodes": episodes,
                       "return": ret, "version": store.version,
                       "actor_priorities": pool.stats().get("actor_priorities_entered", 0)}

@@ -32,6 +32,16 @@ def apex():
     return apex_atari
 
 
+@pytest.mark.parametrize("game", ["Breakout", "SpaceInvaders", "Seaquest", "Asterix", "Freeway"])
+def test_every_minatar_game_steps_by_its_id(apex, game):
+    """``--env MinAtar/<Game>`` names each of MinAtar's five games as the R2D2 example does
+    (``SpaceInvaders`` is MinAtar's ``space_invaders``)."""
+    env = apex.MinAtarEnv(f"MinAtar/{game}", seed=0, max_episode_steps=100)
+    frame = env.reset()
+    assert frame.shape == env.frame_shape and frame.dtype == np.uint8
+    assert env.frame_shape[1:] == (10, 10) and env.n_actions >= 3
+
+
 def test_actor_priorities_are_the_td_errors_of_the_plans_batches(apex):
     """An actor's priority for each row, from the stack it acted on and the Q-values it
     computed then, equals |reward + discount * max Q(next_obs) - Q(obs, action)| computed by
