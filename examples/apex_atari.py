@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------
 def minatar_game(env_id: str) -> str:
     """MinAtar's name of a game: ``MinAtar/SpaceInvaders`` (or ``-v1``) -> ``space_invaders``."""
-    game = env_id[len(MINATAR_PREFIX):].removesuffix("-v1")
+    game = env_id.split("/", 1)[-1].split("-v")[0]
     return "".join("_" + ch.lower() if ch.isupper() and i else ch.lower()
                    for i, ch in enumerate(game))
 

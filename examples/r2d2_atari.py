@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+from apex_atari import EPISODE_SPEC, minatar_game, progress  # the Ape-X example, beside this one
 
 import shmbuf
 from shmbuf.sampling import Plan
@@ -91,10 +92,7 @@ class MinAtarEnv:
     def __init__(self, env_id: str, seed: int) -> None:
         from minatar import Environment
 
-        game = env_id.split("/", 1)[-1].split(":", 1)[-1].split("-v")[0]
-        name = "".join("_" + ch.lower() if ch.isupper() and i else ch.lower()
-                       for i, ch in enumerate(game))  # SpaceInvaders -> space_invaders
-        self.env = Environment(name)
+        self.env = Environment(minatar_game(env_id))
         self.env.seed(seed)
         self.actions = list(self.env.minimal_action_set())  # as ALE's, and Ape-X's example
         self.n_actions = len(self.actions)
@@ -276,7 +274,7 @@ def make_actor(args: argparse.Namespace, store_name: str) -> Any:
                 frame = env.reset()
                 frames = deque([zero] * (k - 1) + [frame], maxlen=k)  # zero-padded, as stored
                 h = c = torch.zeros(1, hidden)
-                episode_return, done, terminated = 0.0, False, False
+                episode_return, length, done, terminated = 0.0, 0, False, False
                 while not done and not ctx.stopping:
                     newer = store.load_into(net, if_newer_than=version)
                     version = newer if newer is not None else version
@@ -296,14 +294,16 @@ def make_actor(args: argparse.Namespace, store_name: str) -> Any:
                     if pending.ready():
                         pending.write(ctx.writer, terminated=False)
                     episode_return += reward
+                    length += 1
                     frame, h, c = next_frame, h_next, c_next
                     frames.append(frame)
                     done = terminated or truncated
                 if done:
                     while len(pending):
                         pending.write(ctx.writer, terminated=terminated)
-                    ctx.writer.end_episode(truncated=not terminated,
-                                           **{"return": episode_return})
+                    ctx.writer.end_episode(truncated=not terminated, **{
+                        "return": episode_return, "length": length,
+                        "ended_ns": time.time_ns()})
         finally:
             env.close()
             store.close()
@@ -338,23 +338,6 @@ def nstep_targets(rewards: torch.Tensor, terminated: torch.Tensor, mask: torch.T
     return rescale(targets), mask & (ended | has_next)
 
 
-def progress(buf: shmbuf.ReplayBuffer, last: int = 100) -> tuple[int, int, float]:
-    """(env steps, episodes finished, mean return of the last ``last`` episodes of all lanes,
-    those of each lane's last ``last // lanes``).
-
-    A lane's ``committed`` counts its rows, and a derived-next_obs buffer adds one row (the
-    final observation) per episode end: env steps are rows less episodes."""
-    lanes = buf.stats()["per_lane"]
-    steps = sum(lane["committed"] - lane["episode"] for lane in lanes)
-    episodes = sum(lane["episode"] for lane in lanes)
-    rec = buf.episodes()
-    if not rec["episode"].size:
-        return steps, episodes, float("nan")
-    per_lane = max(1, last // buf.lanes)
-    recent = [rec["return"][rec["lane"] == k][-per_lane:] for k in np.unique(rec["lane"])]
-    return steps, episodes, float(np.concatenate(recent).mean())
-
-
 def train(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # the cores are the actors'
@@ -377,7 +360,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
           f"of {burn} + {args.train_len} steps every {args.stride}, frame stack {k}; each "
           f"window start at its actor's priority", flush=True)
     with shmbuf.ReplayBuffer.create(spec, args.buffer_size, lanes=args.actors,
-                                    next_obs="derived", episode_spec={"return": ((), "float32")},
+                                    next_obs="derived", episode_spec=EPISODE_SPEC,
                                     actor_priorities=True) as buf, \
             shmbuf.WeightStore.create(template=online.state_dict()) as store:
         store.publish(online)

@@ -34,8 +34,8 @@ def apex():
 
 @pytest.mark.parametrize("game", ["Breakout", "SpaceInvaders", "Seaquest", "Asterix", "Freeway"])
 def test_every_minatar_game_steps_by_its_id(apex, game):
-    """``--env MinAtar/<Game>`` names each of MinAtar's five games as the R2D2 example does
-    (``SpaceInvaders`` is MinAtar's ``space_invaders``)."""
+    """``--env MinAtar/<Game>`` names each of MinAtar's five games (``SpaceInvaders`` is
+    MinAtar's ``space_invaders``; the R2D2 example names them with the same ``minatar_game``)."""
     env = apex.MinAtarEnv(f"MinAtar/{game}", seed=0, max_episode_steps=100)
     frame = env.reset()
     assert frame.shape == env.frame_shape and frame.dtype == np.uint8
